@@ -1,0 +1,249 @@
+"""A standard LLaMA-3 decoder written for tracing on the meta device.
+
+RMSNorm, rotary position embeddings (RoPE, theta 500000), grouped-query
+attention through the fused SDPA op, SwiGLU feed-forward, untied input and
+output embeddings. Shapes follow Meta's reference ``llama3/model.py``
+(Touvron et al. 2023; Dubey et al. 2024, "The Llama 3 Herd of Models",
+Table 3): ``hidden = multiple_of * ceil(ffn_dim_multiplier * (2/3 * 4 dim) /
+multiple_of)``.
+
+Mixed precision follows FSDP2's ``MixedPrecisionPolicy``: parameters are
+stored in float32, cast to ``param_dtype`` for compute, and gradients are
+cast to ``reduce_dtype`` before they are reduced (the casts are graph nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelConfig:
+    """LLaMA-3 model and training-step shape (Hydra structured config).
+
+    Attributes:
+        name: short readable key used in result paths (``llama1b``).
+        dim: model width; n_layers: decoder blocks; n_heads / n_kv_heads: query
+            and key/value heads (GQA, ``n_heads % n_kv_heads == 0``).
+        ffn_dim_multiplier, multiple_of: SwiGLU hidden size rule (see module doc).
+        ffn_hidden_overrides: ``{layer index: hidden size}`` to give chosen
+            layers another FFN width (used to test repeated-layer detection).
+        rope_theta, norm_eps: RoPE base and RMSNorm epsilon.
+        vocab_size, seq_len, batch_size: vocabulary, sequence length, global batch.
+        param_dtype, reduce_dtype: compute and gradient-reduction dtypes.
+    """
+
+    name: str = "llama1b"
+    dim: int = 2048
+    n_layers: int = 16
+    n_heads: int = 32
+    n_kv_heads: int = 8
+    ffn_dim_multiplier: float = 1.5
+    multiple_of: int = 256
+    ffn_hidden_overrides: dict[int, int] = field(default_factory=dict)
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    vocab_size: int = 128256
+    seq_len: int = 2048
+    batch_size: int = 16
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+
+
+ALLOWED_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def validate_model_config(cfg: Any) -> None:
+    """Check a model config; raise ``ValueError`` with a one-line message.
+
+    Errors name the key, the value and what is allowed, e.g.
+    ``model.n_heads=6: must divide model.dim=64``.
+    """
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "vocab_size",
+                "seq_len", "batch_size"):
+        val = cfg[key]
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"model.{key}={val!r}: must be a positive integer")
+    if cfg["dim"] % cfg["n_heads"]:
+        raise ValueError(
+            f"model.n_heads={cfg['n_heads']}: must divide model.dim={cfg['dim']}")
+    if cfg["n_heads"] % cfg["n_kv_heads"]:
+        raise ValueError(
+            f"model.n_kv_heads={cfg['n_kv_heads']}: must divide model.n_heads={cfg['n_heads']}")
+    if (cfg["dim"] // cfg["n_heads"]) % 2:
+        raise ValueError(
+            f"model.n_heads={cfg['n_heads']}: head dim {cfg['dim'] // cfg['n_heads']} must be "
+            "even for rotary embeddings")
+    for key in ("param_dtype", "reduce_dtype"):
+        if cfg[key] not in ALLOWED_DTYPES:
+            raise ValueError(f"model.{key}={cfg[key]!r}: allowed {', '.join(ALLOWED_DTYPES)}")
+    for layer, hidden in dict(cfg.get("ffn_hidden_overrides") or {}).items():
+        if not 0 <= int(layer) < cfg["n_layers"] or int(hidden) < 1:
+            raise ValueError(
+                f"model.ffn_hidden_overrides={{{layer}: {hidden}}}: layer must be in "
+                f"[0, {cfg['n_layers']}) and hidden size positive")
+    if cfg.get("ffn_dim_multiplier") is not None and cfg["ffn_dim_multiplier"] <= 0:
+        raise ValueError(
+            f"model.ffn_dim_multiplier={cfg['ffn_dim_multiplier']}: must be positive")
+
+
+def ffn_hidden_dim(dim: int, multiplier: float | None, multiple_of: int) -> int:
+    """SwiGLU hidden size of Meta's reference implementation (8192 for dim 2048, x1.5)."""
+    hidden = int(2 * (4 * dim) / 3)
+    if multiplier is not None:
+        hidden = int(multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+class CastLinear(nn.Module):
+    """``y = x @ W.T`` with ``W`` stored in float32 and cast to the compute dtype.
+
+    Shapes: x ``[..., in_features]`` -> y ``[..., out_features]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, compute_dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.compute_dtype = compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(self.compute_dtype))
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (Zhang & Sennrich 2019) with a float32 weight."""
+
+    def __init__(self, dim: int, eps: float, compute_dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+        self.compute_dtype = compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(self.compute_dtype), self.eps)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[seq_len, head_dim // 2]`` of RoPE (Su et al. 2021, eq. 34)."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len).float(), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of ``x`` ``[B, H, T, hd]`` (interleaved real form of RoPE)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention through the fused flash SDPA op."""
+
+    def __init__(self, cfg: ModelConfig, dt: torch.dtype):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = CastLinear(cfg.dim, cfg.n_heads * self.head_dim, dt)
+        self.wk = CastLinear(cfg.dim, cfg.n_kv_heads * self.head_dim, dt)
+        self.wv = CastLinear(cfg.dim, cfg.n_kv_heads * self.head_dim, dt)
+        self.wo = CastLinear(cfg.n_heads * self.head_dim, cfg.dim, dt)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin).to(x.dtype), apply_rope(k, cos, sin).to(x.dtype)
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k = k[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim).reshape(
+                b, self.n_heads, t, self.head_dim)
+            v = v[:, :, None].expand(b, self.n_kv_heads, rep, t, self.head_dim).reshape(
+                b, self.n_heads, t, self.head_dim)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int, dt: torch.dtype):
+        super().__init__()
+        self.w1 = CastLinear(dim, hidden, dt)
+        self.w2 = CastLinear(hidden, dim, dt)
+        self.w3 = CastLinear(dim, hidden, dt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, hidden: int, dt: torch.dtype):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        self.attention = Attention(cfg, dt)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        self.feed_forward = FeedForward(cfg.dim, hidden, dt)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """LLaMA-3 decoder; ``forward(tokens [B, T] int64, labels [B, T]) -> loss []``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        dt = _dtype(cfg.param_dtype)
+        self.compute_dtype = dt
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        overrides = {int(k): int(v) for k, v in dict(cfg.ffn_hidden_overrides or {}).items()}
+        default_hidden = ffn_hidden_dim(cfg.dim, cfg.ffn_dim_multiplier, cfg.multiple_of)
+        self.layers = nn.ModuleList(
+            TransformerBlock(cfg, overrides.get(i, default_hidden), dt)
+            for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, dt)
+        self.output = CastLinear(cfg.dim, cfg.vocab_size, dt)
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens).to(self.compute_dtype)
+        cos, sin = self.freqs_cos, self.freqs_sin
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        logits = self.output(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def build_model(cfg: Any) -> Transformer:
+    """Build the model on the meta device (no memory, no weights)."""
+    mc = cfg if isinstance(cfg, ModelConfig) else ModelConfig(**{
+        k: cfg[k] for k in ModelConfig.__dataclass_fields__ if k in cfg})
+    with torch.device("meta"):
+        return Transformer(mc)
+
+
+def example_inputs(cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token batch and labels ``[batch_size, seq_len]`` int64 on meta."""
+    shape = (int(cfg["batch_size"]), int(cfg["seq_len"]))
+    return (torch.empty(shape, dtype=torch.int64, device="meta"),
+            torch.empty(shape, dtype=torch.int64, device="meta"))
+
+
+__all__ = ["ModelConfig", "Transformer", "build_model", "example_inputs", "ffn_hidden_dim",
+           "validate_model_config"]
