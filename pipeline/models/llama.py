@@ -227,7 +227,18 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        return cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy ``[N, V], [N] -> []`` as ``log_softmax`` + ``nll_loss_forward``.
+
+    ``F.cross_entropy`` reaches ``aten::nll_loss``, which has no autograd kernel
+    under the export tracer in torch 2.13 (the backward silently disappears);
+    ``nll_loss_forward`` has a derivative (``nll_loss_backward``).
+    """
+    logp = torch.log_softmax(logits, dim=-1)
+    return torch.ops.aten.nll_loss_forward(logp, labels, None, 1, -100)[0]
 
 
 def build_model(cfg: Any) -> Transformer:

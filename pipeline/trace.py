@@ -1,0 +1,298 @@
+"""Stage 1 - trace: the joint forward + loss + backward graph as a Parquet IR.
+
+The model is built on the meta device, a fake process group sized to the
+mesh is initialised (``torch.distributed`` "fake" backend, no GPU), and the
+training step is captured with ``dynamo_graph_capture_for_export`` followed by
+``aot_export_joint_with_descriptors`` (see shared/NOTES-torch.md). The joint
+graph holds aten ops only; AOT descriptors identify parameters, buffers,
+plain inputs, tangents, the loss output and gradient outputs.
+
+Graph IR (``graph.parquet``), one row per FX node in graph order:
+
+=============  ===========================================================
+column         meaning
+=============  ===========================================================
+idx            position in graph order (int32)
+name           FX node name
+kind           placeholder | call_function | output
+target         ``aten.mm.default``, ``getitem``, or the placeholder name
+args, kwargs   JSON; node references are ``{"node": idx}``
+outputs        JSON list, one entry per output element: ``{"shape", "dtype",
+               "stride"}`` or null for a non-tensor element
+tuple_output   the op returns a tuple (elements selected by ``getitem``)
+role           param | buffer | input | tangent | activation | output
+fqn            parameter / buffer fully-qualified name (module path)
+input_index    position of a plain model input
+module_path    innermost module path of the (forward) op, e.g. layers.3.attention
+layer          module path of the repeated block holding the node, e.g. layers.3
+phase          fwd | bwd
+output_desc    JSON, output node only: per element ``{"kind": "loss"|"grad"|"none",
+               "grad_of": fqn}``
+=============  ===========================================================
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from pipeline import runtime
+
+log = logging.getLogger(__name__)
+
+GRAPH_FILE = "graph.parquet"
+
+#: Module paths of repeated blocks: a ModuleList-like container followed by an index.
+_LAYER_RE = re.compile(r"^(?P<prefix>(?:[A-Za-z_][\w]*\.)*[A-Za-z_][\w]*)\.(?P<idx>\d+)(?:\.|$)")
+
+
+def fake_process_group(world_size: int) -> None:
+    """Initialise (once per process) a fake process group of ``world_size`` ranks.
+
+    Uses ``torch.testing._internal.distributed.fake_pg.FakeStore``; collectives
+    are no-ops, so DeviceMesh and DTensor work without devices.
+    Raises RuntimeError if a real process group of another size exists.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            dist.destroy_process_group()
+        else:
+            return
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def _module_path(stack: dict | None) -> str:
+    """Innermost module path of an ``nn_module_stack`` entry (``L['self'].layers.3.x`` ->
+    ``layers.3.x``)."""
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['self'\]\.?", "", path)
+    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
+
+
+def layer_of_path(path: str | None) -> str | None:
+    """Module path of the repeated block containing ``path`` (``layers.3.ffn.w1`` ->
+    ``layers.3``, ``model.layers.0`` -> ``model.layers.0``, ``h.7.mlp`` -> ``h.7``)."""
+    if not path:
+        return None
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit() and i > 0:
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def _encode(arg: Any, index: dict[Any, int]) -> Any:
+    import torch
+    import torch.fx as fx
+
+    if isinstance(arg, fx.Node):
+        return {"node": index[arg]}
+    if isinstance(arg, (list, tuple)):
+        return [_encode(a, index) for a in arg]
+    if isinstance(arg, dict):
+        return {str(k): _encode(v, index) for k, v in arg.items()}
+    if isinstance(arg, torch.dtype):
+        return {"dtype": str(arg).replace("torch.", "")}
+    if isinstance(arg, (torch.device, torch.layout, torch.memory_format)):
+        return {"enum": str(arg)}
+    if isinstance(arg, float) and (arg != arg or arg in (float("inf"), float("-inf"))):
+        return {"float": str(arg)}
+    if arg is None or isinstance(arg, (bool, int, float, str)):
+        return arg
+    return {"repr": repr(arg)}
+
+
+def _tensor_meta(val: Any) -> dict | None:
+    import torch
+
+    if isinstance(val, torch.Tensor):
+        return {"shape": [int(s) for s in val.shape], "dtype": str(val.dtype).replace("torch.", ""),
+                "stride": [int(s) for s in val.stride()]}
+    return None
+
+
+def _outputs(val: Any) -> tuple[list, bool]:
+    if isinstance(val, (list, tuple)):
+        return [_tensor_meta(v) for v in val], True
+    return [_tensor_meta(val)], False
+
+
+def _target_name(node: Any) -> str:
+    if node.op == "placeholder":
+        return "placeholder"
+    if node.op == "output":
+        return "output"
+    t = node.target
+    if getattr(t, "__name__", "") == "getitem":
+        return "getitem"
+    name = str(t)
+    return name if name.startswith("aten.") else f"{getattr(t, '__module__', '')}.{t}"
+
+
+def capture_joint_graph(model: Any, inputs: tuple, stack: contextlib.ExitStack) -> Any:
+    """Capture the joint forward+backward FX graph of ``model(*inputs)`` (a scalar loss).
+
+    Returns the ``torch.fx.GraphModule`` of the joint graph; valid while ``stack`` is open.
+    """
+    from torch._dynamo.functional_export import dynamo_graph_capture_for_export
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    gm = dynamo_graph_capture_for_export(model)(*inputs)
+    joint = aot_export_joint_with_descriptors(stack, gm, inputs)
+    return joint.graph_module
+
+
+def graph_to_table(graph_module: Any) -> pa.Table:
+    """Convert a joint graph into the graph IR table (schema in the module docstring)."""
+    nodes = list(graph_module.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    rows: dict[str, list] = {k: [] for k in (
+        "idx", "name", "kind", "target", "args", "kwargs", "outputs", "tuple_output", "role",
+        "fqn", "input_index", "module_path", "layer", "phase", "output_desc", "grad_acc")}
+    for i, n in enumerate(nodes):
+        desc = n.meta.get("desc")
+        role, fqn, input_index, output_desc = "activation", None, None, None
+        if n.op == "placeholder":
+            dname = type(desc).__name__
+            if dname == "ParamAOTInput":
+                role, fqn = "param", desc.target
+            elif dname == "BufferAOTInput":
+                role, fqn = "buffer", desc.target
+            elif dname == "PlainAOTInput":
+                role, input_index = "input", int(desc.idx)
+            elif dname == "TangentAOTInput":
+                role = "tangent"
+            else:
+                role = "input"
+        elif n.op == "output":
+            role = "output"
+            descs = []
+            for d in desc or []:
+                dn = type(d).__name__
+                if dn == "PlainAOTOutput":
+                    descs.append({"kind": "loss", "grad_of": None})
+                elif dn == "GradAOTOutput":
+                    descs.append({"kind": "grad", "grad_of": getattr(d.grad_of, "target", None)})
+                else:
+                    descs.append({"kind": "none", "grad_of": None})
+            output_desc = json.dumps(descs)
+        stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack")
+        mpath = _module_path(stack) if n.op == "call_function" else (fqn or "")
+        phase = "bwd" if n.meta.get("partitioner_tag") == "is_backward" else "fwd"
+        if n.op == "placeholder":
+            phase = "bwd" if role == "tangent" else "fwd"
+        outs, is_tuple = _outputs(n.meta.get("val")) if n.op != "output" else ([], False)
+        rows["idx"].append(i)
+        rows["name"].append(n.name)
+        rows["kind"].append(n.op)
+        rows["target"].append(_target_name(n))
+        rows["args"].append(json.dumps(_encode(list(n.args), index)))
+        rows["kwargs"].append(json.dumps(_encode(dict(n.kwargs), index)))
+        rows["outputs"].append(json.dumps(outs))
+        rows["tuple_output"].append(is_tuple)
+        rows["role"].append(role)
+        rows["fqn"].append(fqn)
+        rows["input_index"].append(input_index)
+        rows["module_path"].append(mpath)
+        rows["layer"].append(layer_of_path(mpath))
+        rows["phase"].append(phase)
+        rows["output_desc"].append(output_desc)
+        rows["grad_acc"].append(bool(n.meta.get("is_gradient_acc", False)))
+    _inherit_layers(rows, nodes, index)
+    return pa.table({
+        "idx": pa.array(rows["idx"], pa.int32()),
+        **{k: pa.array(rows[k]) for k in rows if k != "idx"},
+    })
+
+
+def _inherit_layers(rows: dict[str, list], nodes: list, index: dict) -> None:
+    """Give gradient-accumulation adds (no module stack of their own) a layer.
+
+    An accumulation add sums the gradient contributions of one forward tensor;
+    it belongs to the block whose backward produced the newest contribution, so
+    it takes the layer of its latest (graph order) layer-tagged input that is not
+    itself an accumulation, falling back to accumulation inputs.
+    """
+    for i, n in enumerate(nodes):
+        if n.op != "call_function" or rows["layer"][i] is not None or not rows["grad_acc"][i]:
+            continue
+        ins = sorted(index[a] for a in n.all_input_nodes)
+        plain = [j for j in ins if rows["layer"][j] is not None and not rows["grad_acc"][j]]
+        acc = [j for j in ins if rows["layer"][j] is not None and rows["grad_acc"][j]]
+        pick = plain or acc
+        if pick:
+            rows["layer"][i] = rows["layer"][pick[-1]]
+
+
+def trace_model(model_cfg: Any, world_size: int) -> tuple[pa.Table, dict[str, Any]]:
+    """Trace the training step of the model described by ``model_cfg``.
+
+    Returns the graph IR table and a dict of facts (node count, seconds).
+    Raises ValueError for an invalid model config.
+    """
+    import torch
+
+    from pipeline.models.llama import build_model, example_inputs, validate_model_config
+
+    validate_model_config(model_cfg)
+    fake_process_group(world_size)
+    start = time.perf_counter()
+    model = build_model(model_cfg)
+    inputs = example_inputs(model_cfg)
+    with contextlib.ExitStack() as stack:
+        gm = capture_joint_graph(model, inputs, stack)
+        table = graph_to_table(gm)
+    return table, {"nodes": table.num_rows, "seconds": time.perf_counter() - start}
+
+
+def world_size_of(cfg: Any) -> int:
+    size = 1
+    for s in cfg.mesh:
+        size *= int(s)
+    return size
+
+
+def run_trace(cfg: Any, out_dir: Path) -> None:
+    """Stage entry point: trace ``cfg.model`` and write ``out_dir/graph.parquet``.
+
+    The IR does not depend on the mesh; the fake process group is sized to the
+    mesh only so DTensor state exists for later in-process stages.
+    """
+    from omegaconf import OmegaConf
+
+    timer = runtime.PhaseTimer()
+    with timer.phase("trace"):
+        model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+        table, facts = trace_model(model_cfg, world_size_of(cfg))
+    meta = {
+        "stage": "trace",
+        "model": model_cfg,
+        "nodes": facts["nodes"],
+        "seconds": timer.seconds,
+        "peak_rss_bytes": runtime.peak_rss_bytes(),
+        "git": runtime.git_revision(),
+    }
+    runtime.write_parquet(Path(out_dir) / GRAPH_FILE, table, metadata=meta)
+    log.info("trace: %d nodes in %.2f s", facts["nodes"], timer.seconds["trace"])
+
+
+def read_graph(trace_dir: Path) -> tuple[pa.Table, dict]:
+    """Read the graph IR and its stage metadata."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(Path(trace_dir) / GRAPH_FILE)
+    meta = json.loads((table.schema.metadata or {}).get(b"pipeline", b"{}"))
+    return table, meta
