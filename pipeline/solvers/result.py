@@ -1,26 +1,51 @@
-"""The result every MRF solver returns."""
+"""The result record returned by the MRF solvers."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+#: Relative tolerance under which a lower bound certifies an objective.
+CERTIFY_RTOL = 1e-9
+
+
+def relative_gap(objective: float, bound: float) -> float:
+    """Return ``(objective - bound) / max(1, |objective|)`` (dimensionless).
+
+    ``+inf`` if either value is not finite (no certificate possible). The
+    denominator floor of 1 µs keeps the gap meaningful for objectives near 0.
+    """
+    if not (math.isfinite(objective) and math.isfinite(bound)):
+        return math.inf
+    return (objective - bound) / max(1.0, abs(objective))
+
+
+def is_certified(objective: float, bound: float, rtol: float = CERTIFY_RTOL) -> bool:
+    """True when ``objective - bound <= rtol * max(1, |objective|)``."""
+    return relative_gap(objective, bound) <= rtol
 
 
 @dataclass
 class SolverResult:
-    """Outcome of one solver run.
+    """Outcome of one MRF solve.
 
     Attributes:
         labels: int64 ``[G]`` chosen label per group.
-        objective: ``E(labels)`` in µs.
-        lower_bound: a proven lower bound on the minimum (µs).
-        lower_bound_source: where the bound comes from (e.g. ``"ilp"``, ``"lp"``).
-        status: one of ``pipeline.solvers.status.STATUSES``.
-        iterations: solver iterations (meaning is solver specific).
-        bound_history: lower bound over the run (solver specific entries).
-        solve_seconds: wall time of the solve (s).
-        extra: solver-specific diagnostics.
+        objective: ``mrf.evaluate(labels)`` in µs (includes ``mrf.constant``).
+        lower_bound: a valid lower bound on ``min E`` in µs (``-inf`` if none).
+        lower_bound_source: which method produced the bound (e.g. ``"trws"``).
+        status: exact solvers (ilp, lp) use one of
+            ``pipeline.solvers.status.STATUSES``; the approximate solver
+            (TRW-S) reports ``"Optimal"`` when its bound certifies the
+            objective (``objective - lower_bound <= 1e-9 * max(1, |objective|)``),
+            else ``"Heuristic"``.
+        iterations: solver iterations performed.
+        bound_history: lower bound (µs) after each iteration.
+        solve_seconds: wall time of the solve in seconds.
+        extra: solver-specific diagnostics (JSON-serialisable values).
     """
 
     labels: np.ndarray
@@ -29,6 +54,11 @@ class SolverResult:
     lower_bound_source: str
     status: str
     iterations: int
-    bound_history: list = field(default_factory=list)
+    bound_history: list[float] = field(default_factory=list)
     solve_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gap(self) -> float:
+        """Relative gap, see :func:`relative_gap`."""
+        return relative_gap(self.objective, self.lower_bound)
