@@ -1,0 +1,315 @@
+"""Roofline compute cost of one op on one device, in µs.
+
+Roofline model (Williams, Waterman & Patterson 2009, "Roofline: an insightful visual
+performance model for multicore architectures", CACM 52(4)): a kernel is bound either by
+arithmetic or by memory traffic, so its time is
+
+    t = max(FLOPs / (peak_flops * compute_efficiency),
+            bytes / (hbm_bandwidth * memory_efficiency)) * 1e6      [µs]
+
+floored at ``hw.kernel_floor_us`` for every real kernel (launch + tail latency), and
+0 for view / metadata ops, which launch no kernel.
+
+FLOPs come from PyTorch's own formulas (:data:`torch.utils.flop_counter.flop_registry`:
+mm, addmm, bmm, baddbmm, convolution(+backward), the SDPA flash / efficient / cudnn
+forward and backward ops, ...), evaluated on the *local* (per-device, sharded) shapes.
+Ops without a formula count 0 FLOPs: they are memory-bound. Note the SDPA formulas do
+not halve the work for ``is_causal=True`` (PyTorch's counter does not either).
+
+The peak is chosen by dtype: bf16 / fp16 (and fp8) use ``peak_flops_bf16``, all other
+dtypes ``peak_flops_fp32``.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import flop_registry
+
+__all__ = [
+    "is_view_op",
+    "op_flops",
+    "peak_flops",
+    "resolve_op",
+    "roofline_us",
+]
+
+aten = torch.ops.aten
+
+#: Ops that launch no kernel although their schema does not say they alias:
+#: ``_unsafe_view`` is ``view`` without the alias annotation (its input is a fresh,
+#: otherwise unused tensor), and the ``empty`` factories only allocate.
+_NO_KERNEL_PACKETS = frozenset(
+    {
+        aten._unsafe_view,
+        aten.empty,
+        aten.empty_like,
+        aten.empty_strided,
+        aten.new_empty,
+        aten.new_empty_strided,
+    }
+)
+
+_HALF_DTYPES = frozenset(
+    {
+        torch.bfloat16,
+        torch.float16,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+        torch.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz,
+    }
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _resolve_name(name: str) -> Any:
+    text = name.strip()
+    text = text.removeprefix("torch.ops.")
+    parts = text.split(".")
+    if len(parts) < 2:
+        raise ValueError(
+            f"cannot resolve op {name!r}: expected 'namespace.op[.overload]', e.g. 'aten.mm.default'"
+        )
+    obj: Any = torch.ops
+    try:
+        for p in parts:
+            obj = getattr(obj, p)
+    except (AttributeError, RuntimeError):
+        raise ValueError(
+            f"cannot resolve op {name!r}: no such torch.ops entry (expected e.g. 'aten.mm.default')"
+        ) from None
+    if isinstance(obj, torch._ops.OpOverloadPacket):
+        obj = _packet_representative(obj)
+    return obj
+
+
+def _packet_representative(packet: torch._ops.OpOverloadPacket) -> torch._ops.OpOverload:
+    """``packet.default`` if it returns a tensor, else the first overload that does.
+
+    (``aten.mul.default`` is the scalar ``mul(Scalar, Scalar)``; ``aten.mul.Tensor`` is
+    the tensor op a graph would hold.)
+    """
+    names = ["default", *[n for n in packet.overloads() if n != "default"]]
+    for name in names:
+        overload = getattr(packet, name, None)
+        if overload is not None and any("Tensor" in str(r.type) for r in overload._schema.returns):
+            return overload
+    return getattr(packet, names[0])
+
+
+def resolve_op(op: Any) -> Any:
+    """Turn ``op`` into an ``OpOverload`` where possible.
+
+    Accepts an ``OpOverload`` (returned as is), an ``OpOverloadPacket`` (its
+    ``.default``, or its first tensor-returning overload), or a string such as ``"aten.mm.default"`` / ``"torch.ops.aten.mm"``.
+    Anything else (``operator.getitem``, a higher-order op, ...) is returned unchanged.
+
+    Raises:
+        ValueError: for a string that names no op.
+    """
+    if isinstance(op, str):
+        return _resolve_name(op)
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return _packet_representative(op)
+    return op
+
+
+@functools.lru_cache(maxsize=8192)
+def _is_view_overload(op: torch._ops.OpOverload) -> bool:
+    if op.overloadpacket in _NO_KERNEL_PACKETS:
+        return True
+    tags = set(op.tags)
+    if torch.Tag.inplace_view in tags:  # t_, unsqueeze_, as_strided_: metadata-only writes
+        return True
+    returns = op._schema.returns
+    if not any("Tensor" in str(r.type) for r in returns):
+        # sym_size, sym_numel, ...: metadata. Mutating ops without a tensor result
+        # (_foreach_add_, ...) do real work.
+        return not op._schema.is_mutable
+    first = returns[0].alias_info
+    return first is not None and not first.is_write
+
+
+def is_view_op(op: Any) -> bool:
+    """Whether ``op`` is a view / metadata op that launches no kernel (cost 0).
+
+    Decided from the op schema rather than a hand list: an op whose first return
+    aliases an input without writing it (``returns[0].alias_info`` not None and not a
+    write, e.g. ``view``, ``reshape``, ``t``, ``transpose``, ``permute``, ``expand``,
+    ``unsqueeze``, ``squeeze``, ``slice``, ``select``, ``alias``, ``detach``,
+    ``as_strided``, ``split``, ``unbind``) is a view; so is an op tagged
+    ``torch.Tag.inplace_view`` and an op with no tensor output (``sym_size``).
+    ``aten._unsafe_view`` (a view without the annotation) and the ``empty``
+    factories (allocation only) are listed explicitly. Python callables such as
+    ``operator.getitem`` (tuple element selection in FX graphs) are metadata too;
+    higher-order operators are not.
+
+    Args:
+        op: ``OpOverload``, ``OpOverloadPacket``, op name string, or an FX target.
+    """
+    op = resolve_op(op)
+    if isinstance(op, torch._ops.OpOverload):
+        return _is_view_overload(op)
+    if isinstance(op, torch._ops.HigherOrderOperator):
+        return False
+    return op is operator.getitem or callable(op)
+
+
+def _packet(op: Any) -> Any:
+    op = resolve_op(op)
+    if isinstance(op, torch._ops.OpOverload):
+        return op.overloadpacket
+    return op
+
+
+def _freeze(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) or (hasattr(x, "shape") and not isinstance(x, np.ndarray)):
+        return torch.Size(x.shape)  # tensors, TensorMeta (a NamedTuple!) -> their shape
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    return x
+
+
+def _as_shape(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.shape
+    if hasattr(x, "shape") and not isinstance(x, np.ndarray):
+        return torch.Size(x.shape)  # TensorMeta and friends
+    return x
+
+
+def _meta_tensor(shape: Any) -> Any:
+    if shape is None or isinstance(shape, torch.Tensor):
+        return shape
+    if isinstance(shape, (list, tuple)) and all(isinstance(s, int) for s in shape):
+        return torch.empty(tuple(shape), device="meta")
+    return shape
+
+
+def _is_tensor_arg(arg: Any) -> bool:
+    return arg is not None and str(arg.type) in ("Tensor", "Optional[Tensor]")
+
+
+def _raw_args(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list, dict]:
+    """For 'raw' flop formulas (which want tensors): shapes at Tensor schema slots -> meta."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return [_meta_tensor(a) for a in args], dict(kwargs)
+    schema_args = op._schema.arguments
+    new_args = [
+        _meta_tensor(a) if i < len(schema_args) and _is_tensor_arg(schema_args[i]) else a
+        for i, a in enumerate(args)
+    ]
+    by_name = {a.name: a for a in schema_args}
+    new_kwargs = {
+        k: _meta_tensor(v) if _is_tensor_arg(by_name.get(k)) else v for k, v in kwargs.items()
+    }
+    return new_args, new_kwargs
+
+
+def _eval_flops(op: Any, args: tuple, kwargs: dict, out_shape: Any) -> float:
+    formula = flop_registry.get(_packet(op))
+    if formula is None:
+        return 0.0
+    args = [_as_shape(a) for a in args]
+    kwargs = {k: _as_shape(v) for k, v in kwargs.items()}
+    if hasattr(formula, "__wrapped__"):  # shape_wrapper'd formula: shapes are fine
+        return float(formula(*args, out_val=out_shape, **kwargs))
+    raw_args, raw_kwargs = _raw_args(resolve_op(op), args, kwargs)
+    return float(formula(*raw_args, out_val=out_shape, **raw_kwargs))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _eval_flops_cached(op: Any, args: tuple, kwargs: tuple, out_shape: Any) -> float:
+    return _eval_flops(op, args, dict(kwargs), out_shape)
+
+
+def op_flops(
+    op: Any,
+    arg_shapes: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+    out_shape: Any = None,
+) -> float:
+    """FLOPs of ``op`` on one device, from PyTorch's flop formulas on local shapes.
+
+    Args:
+        op: ``OpOverload`` / packet / name string (``"aten.mm.default"``).
+        arg_shapes: the op's positional arguments with every tensor replaced by its
+            *local* shape (a ``torch.Size``, tuple or list of ints; a tensor or a
+            ``TensorMeta`` is also accepted); non-tensor arguments as they are.
+        kwargs: keyword arguments, tensors likewise replaced by shapes.
+        out_shape: local output shape (a tuple of shapes for multi-output ops), or None.
+
+    Returns:
+        FLOPs (float); 0.0 for ops without a formula (memory-bound ops).
+
+    Example:
+        ``op_flops(aten.mm.default, [(4096, 4096), (4096, 4096)])`` is
+        ``2 * 4096**3 = 1.374e11``.
+    """
+    kwargs = kwargs or {}
+    packet = _packet(op)
+    if packet not in flop_registry:
+        return 0.0
+    try:
+        key = (_freeze(list(arg_shapes)), _freeze(kwargs), _freeze(out_shape))
+        hash(key)
+    except TypeError:
+        return _eval_flops(op, tuple(arg_shapes), kwargs, out_shape)
+    return _eval_flops_cached(resolve_op(op), key[0], key[1], key[2])
+
+
+def _dtype_name(dtype: Any) -> torch.dtype | None:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            return value
+    raise ValueError(f"unknown dtype {dtype!r}: pass a torch.dtype or its name, e.g. 'bfloat16'")
+
+
+def peak_flops(dtype: Any, hw: Any) -> float:
+    """Peak FLOP/s for ``dtype``: bf16/fp16/fp8 -> ``hw.peak_flops_bf16``, else fp32 peak.
+
+    Raises:
+        ValueError: for an unknown dtype name.
+    """
+    return float(hw.peak_flops_bf16 if _dtype_name(dtype) in _HALF_DTYPES else hw.peak_flops_fp32)
+
+
+def roofline_us(flops: Any, nbytes: Any, dtype: Any, hw: Any, is_view: bool) -> Any:
+    """Roofline time of one kernel in µs (Williams et al. 2009).
+
+    ``max(flops / (peak(dtype) * eff_c), nbytes / (hbm_bw * eff_m)) * 1e6``, at least
+    ``hw.kernel_floor_us``; exactly 0 when ``is_view``.
+
+    Args:
+        flops: FLOPs on one device (see :func:`op_flops`); number or numpy array.
+        nbytes: bytes read + written by the kernel on one device; number or array.
+        dtype: compute dtype (``torch.dtype`` or name) choosing the peak.
+        hw: :class:`~pipeline.costmodel.hardware.HardwareConfig` (or DictConfig).
+        is_view: True for view / metadata ops (:func:`is_view_op`).
+
+    Returns:
+        µs: a float for scalar inputs, an array for array inputs.
+    """
+    if is_view:
+        if np.ndim(flops) == 0 and np.ndim(nbytes) == 0:
+            return 0.0
+        return np.zeros(np.broadcast(np.asarray(flops), np.asarray(nbytes)).shape)
+    peak = peak_flops(dtype, hw)
+    compute_s = flops / (peak * float(hw.compute_efficiency))
+    memory_s = nbytes / (float(hw.hbm_bandwidth) * float(hw.memory_efficiency))
+    floor = float(hw.kernel_floor_us)
+    if np.ndim(compute_s) == 0 and np.ndim(memory_s) == 0:
+        return max(max(compute_s, memory_s) * 1e6, floor)
+    return np.maximum(np.maximum(compute_s, memory_s) * 1e6, floor)
