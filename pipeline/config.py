@@ -263,6 +263,9 @@ def normalise_overrides(overrides: Sequence[str], multirun: bool = False) -> lis
       it becomes ``mesh='2,4,8'`` / ``mesh_names=[a,b]``. In a multirun
       (``multirun=True``) a comma list stays a sweep.
     * a placement with parentheses, ``constraints.inputs=S(0)RR``, is quoted.
+    * a mapping for a dict-typed key, ``model.ffn_hidden_overrides={0:4096}``, becomes
+      ``++model.ffn_hidden_overrides={0:4096}``: a plain override of a dict merges in
+      struct mode and refuses new keys; ``++`` merges them in.
     """
     out = []
     for ov in overrides:
@@ -275,6 +278,11 @@ def normalise_overrides(overrides: Sequence[str], multirun: bool = False) -> lis
         m = _PLACEMENT_KEY_RE.match(ov)
         if m and re.search(r"[()|]", m["val"]):
             ov = f"{m['key']}='{m['val']}'"
+        key, sep, val = ov.partition("=")
+        if sep and val.startswith("{") and re.fullmatch(r"[\w.]+", key):
+            found = _schema_type(key)
+            if found is not None and typing.get_origin(found[0]) is dict:
+                ov = "++" + ov
         out.append(ov)
     return out
 
@@ -347,12 +355,8 @@ def _allowed_text(key: str) -> str:
     return "allowed " + text + (", null" if optional else "")
 
 
-def _prepare_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str, Any]]]:
-    """Check each override before composing; split off dict assignments.
-
-    Returns the overrides for Hydra and ``(key, value)`` pairs of dict-typed keys
-    (``model.ffn_hidden_overrides={0:4096}``), which Hydra would merge (and refuse in
-    struct mode) and :func:`load_config` assigns instead.
+def _check_overrides(overrides: list[str]) -> None:
+    """Check each override before composing, for errors Hydra reports badly or not at all.
 
     Raises:
         ConfigError: an override Hydra cannot parse, a sweep in a single run, an unknown
@@ -362,8 +366,6 @@ def _prepare_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str,
     from hydra.errors import HydraException
 
     parser = OverridesParser.create()
-    hydra_ovs: list[str] = []
-    assigned: list[tuple[str, Any]] = []
     for ov in overrides:
         try:
             parsed = parser.parse_override(ov)
@@ -374,7 +376,6 @@ def _prepare_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str,
                 "holding ( ) , | or spaces, e.g. \"constraints.inputs='S(0)RR'\"") from None
         key = parsed.key_or_group
         if key.startswith("hydra") or "/" in key or key in GROUPS:
-            hydra_ovs.append(ov)
             continue
         if parsed.is_sweep_override():
             raise ConfigError(f"{ov}: a list of values is a sweep; run with -m to sweep, or "
@@ -388,17 +389,6 @@ def _prepare_overrides(overrides: list[str]) -> tuple[list[str], list[tuple[str,
         value = parsed.value()
         if t is bool and not (isinstance(value, bool) or (optional and value is None)):
             raise ConfigError(f"{ov}: {_allowed_text(key)}")
-        if typing.get_origin(t) is dict and isinstance(value, dict):
-            ktype = typing.get_args(t)[0]
-            try:
-                value = {ktype(k): v for k, v in value.items()}
-            except (TypeError, ValueError):
-                raise ConfigError(f"{ov}: {_allowed_text(key)} with {ktype.__name__} "
-                                  "keys") from None
-            assigned.append((key, value))
-            continue
-        hydra_ovs.append(ov.lstrip("+") if parsed.is_add() else ov)
-    return hydra_ovs, assigned
 
 
 def _composition_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
@@ -411,8 +401,9 @@ def _composition_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
         allowed = ", ".join(options) if options else "none (the group has no options)"
         return ConfigError(f"{group}={choice}: allowed {allowed}")
     m = re.search(r"(?:Could not override|Error merging override) '?([^'=\s]+)", text)
-    key = m.group(1) if m else getattr(err, "full_key", None)
-    shown = next((ov for ov in overrides if key and ov.split("=", 1)[0] == key), key)
+    key = m.group(1).lstrip("+~") if m else getattr(err, "full_key", None)
+    shown = next((ov for ov in overrides if key and ov.split("=", 1)[0].lstrip("+~") == key),
+                 key)
     cause = err.__cause__ or err
     ctext = str(cause)
     unknown = re.search(r"Key '([^']+)' (?:is )?not in '(\w+)'", ctext)
@@ -422,8 +413,10 @@ def _composition_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
     full_key = re.sub(r"\[(\d+)\]", r".\1", str(getattr(cause, "full_key", "") or ""))
     first = ctext.strip().splitlines()[0] if ctext.strip() else type(err).__name__
     if shown and m and full_key and full_key != key:
-        return ConfigError(f"{shown}: {first} (at {full_key}); to add list entries set the "
-                           "whole list, e.g. constraints.nodes=[{match:x,placement:'RRR'}]")
+        hint = ("; to add list entries set the whole list, e.g. "
+                "constraints.nodes=[{match:x,placement:'RRR'}]"
+                if re.search(r"\.\d+(\.|$)", key or "") else "")
+        return ConfigError(f"{shown}: {first} (at {full_key}){hint}")
     if shown and m:
         return ConfigError(f"{shown}: {_allowed_text(str(key))}")
     if full_key:
@@ -454,21 +447,16 @@ def load_config(overrides: Sequence[str] = ()) -> DictConfig:
     from omegaconf.errors import OmegaConfBaseException
 
     overrides = normalise_overrides(list(overrides))
-    hydra_ovs, assigned = _prepare_overrides(overrides)
+    _check_overrides(overrides)
     register_configs()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-            cfg = compose(config_name="config", overrides=hydra_ovs)
+            cfg = compose(config_name="config", overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
         raise _composition_error(err, overrides) from None
     finally:
         GlobalHydra.instance().clear()
-    for key, value in assigned:
-        try:
-            OmegaConf.update(cfg, key, value, merge=False)
-        except OmegaConfBaseException:
-            raise ConfigError(f"{key}={_fmt(value)}: {_allowed_text(key)}") from None
     return cfg
 
 

@@ -1,0 +1,113 @@
+"""Run the whole pipeline in one process: ``python -m pipeline [hydra overrides...]``.
+
+    python -m pipeline mesh=2x4x8 solver=approx
+    python -m pipeline model=toy mesh='2,4,8' solver=ilp
+    python -m pipeline -m lazy_costs=true,false mesh=8,2x4,2x4x8     # Hydra sweep
+
+Stages trace -> topology -> costs -> solve run in order, each reusing its artifact
+when it is current (see :func:`pipeline.cli.run_stage`), then the report over all
+runs under ``results_dir``. Every override of every job of a sweep is validated
+before anything runs: a bad value prints one line on stderr and exits with 2.
+Hydra writes nothing on a single run; a multirun writes only its ``multirun.yaml``
+under ``<results_dir>/hydra/multirun/``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+import hydra
+from omegaconf import DictConfig
+
+from pipeline.cli import PHASES, configure_logging, run_stage, sentinel
+from pipeline.config import (
+    CONF_DIR,
+    STAGES,
+    ConfigError,
+    load_resolved,
+    normalise_overrides,
+    register_configs,
+    resolve,
+    stage_dirs,
+    sweep_overrides,
+)
+from pipeline.runtime import PhaseTimer
+
+log = logging.getLogger("pipeline")
+
+
+def run_pipeline(cfg: DictConfig) -> PhaseTimer:
+    """Run every stage for a *resolved* config; return the wall time of each phase.
+
+    A stage whose artifact is current is reused; once a stage has run, every later
+    stage runs too (its input changed). The report always runs.
+    """
+    dirs = stage_dirs(cfg)
+    timer = PhaseTimer()
+    ran_any = False
+    done = []
+    with timer.phase("wall"):
+        for stage in STAGES:
+            with timer.phase(PHASES[stage]):
+                ran = run_stage(stage, cfg, dirs, force=ran_any and stage != "report")
+            ran_any = ran_any or ran
+            done.append(f"{stage} {timer.seconds[PHASES[stage]]:.2f} s"
+                        + ("" if ran else " (reused)"))
+    log.info("stages: %s; wall %.2f s", ", ".join(done), timer.seconds["wall"])
+    print(f"run record: {sentinel(dirs, 'solve')}")
+    print(f"report: {dirs.report}")
+    return timer
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+def _hydra_task(cfg: DictConfig) -> None:
+    try:
+        resolved = resolve(cfg)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        sys.exit(2)
+    run_pipeline(resolved)
+
+
+def _prevalidate(argv: Sequence[str]) -> list[str]:
+    """Normalise the overrides in ``argv`` and validate every job they describe.
+
+    Returns the argument list to hand to Hydra.
+
+    Raises:
+        ConfigError: one line, for the first bad value of any job.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(list(argv))
+    fixed = dict(zip(args.overrides, normalise_overrides(args.overrides, args.multirun),
+                     strict=True))
+    new_argv = [fixed.get(a, a) for a in argv]
+    overrides = [fixed[o] for o in args.overrides]
+    informational = (args.help or args.hydra_help or args.cfg or args.shell_completion
+                     or args.info is not None or args.config_name or args.config_dir
+                     or args.config_path or args.experimental_rerun)
+    if not informational:
+        for job in (sweep_overrides(overrides) if args.multirun else [overrides]):
+            load_resolved(job)
+    return new_argv
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of ``python -m pipeline``; exits 2 on a bad configuration."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        new_argv = _prevalidate(argv)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        sys.exit(2)
+    register_configs()
+    configure_logging()
+    sys.argv = [sys.argv[0], *new_argv]
+    _hydra_task()
+
+
+if __name__ == "__main__":
+    main()
