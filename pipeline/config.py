@@ -764,8 +764,13 @@ def stage_code_hash(stage: str, root: Path = PROJECT_ROOT) -> str:
 # --------------------------------------------------------------------------- overrides
 
 
+_BARE_STR_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HYDRA_WORDS = frozenset({"true", "false", "null", "inf", "nan"})
+
+
 def _hydra_value(value: Any) -> str:
-    """Render plain data in Hydra's override grammar (strings single-quoted)."""
+    """Render plain data in Hydra's override grammar; a string is single-quoted unless it
+    is a plain identifier Hydra reads back as the same string."""
     if value is None:
         return "null"
     if isinstance(value, bool):
@@ -775,6 +780,8 @@ def _hydra_value(value: Any) -> str:
     if isinstance(value, float):
         return repr(value)
     if isinstance(value, str):
+        if _BARE_STR_RE.match(value) and value.lower() not in _HYDRA_WORDS:
+            return value
         return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_hydra_value(v) for v in value) + "]"

@@ -1,0 +1,14 @@
+rule costs:
+    input:
+        stage_output("topology"),
+    output:
+        stage_output("costs"),
+    params:
+        overrides=stage_params("costs"),
+        code=stage_code("costs"),
+    log:
+        stage_log("costs"),
+    benchmark:
+        stage_benchmark("costs")
+    shell:
+        "python -m pipeline.cli costs {params.overrides:q} > {log} 2>&1"
