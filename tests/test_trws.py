@@ -1,0 +1,503 @@
+"""Tests of TRW-S (pipeline.solvers.trws), local search and the brute-force oracle.
+
+Oracles: brute-force enumeration for optimality and bound validity, a
+straightforward dense sequential TRW-S written below (one message at a time,
+Kolmogorov 2006) for the level-batched implementation, and hand-worked
+numbers for a 2-group example and a frustrated triangle.
+
+The benchmark at the end is opt-in (``TRWS_BENCH=1``): it prints timings for
+the ~3000-group synthetic instance and asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import numpy as np
+import pytest
+from mrf_gen import (
+    chain_edges,
+    graph_like_edges,
+    large_instance,
+    random_edges,
+    random_mrf,
+    tree_edges,
+)
+
+from pipeline.solvers.brute import brute_force
+from pipeline.solvers.compiled import CompiledMRF, conditional_sweep, interleaved_order
+from pipeline.solvers.errors import InfeasibleError, NoFeasibleLabelingError
+from pipeline.solvers.local_search import coordinate_descent
+from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor, eager_factors
+from pipeline.solvers.result import SolverResult, relative_gap
+from pipeline.solvers.trws import solve_trws
+
+RTOL = 1e-9
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= RTOL * max(1.0, abs(a), abs(b))
+
+
+def _monotone(history: list[float]) -> bool:
+    h = np.asarray(history)
+    return bool(np.all(h[1:] >= h[:-1] - RTOL * np.maximum(1.0, np.abs(h[1:]))))
+
+
+def _mrf(sizes, unary, edges, factors, constant=0.0) -> MRF:
+    return MRF(
+        domain_sizes=np.asarray(sizes, dtype=np.int64),
+        unary=[np.asarray(u, dtype=np.float64) for u in unary],
+        edges=np.asarray(edges, dtype=np.int64).reshape(-1, 2),
+        factor=eager_factors(factors),
+        constant=constant,
+    )
+
+
+def _factor(row_cls, col_cls, table) -> PairwiseFactor:
+    return PairwiseFactor(
+        np.asarray(row_cls, dtype=np.int32),
+        np.asarray(col_cls, dtype=np.int32),
+        np.asarray(table, dtype=np.float64),
+    )
+
+
+# ------------------------------------------------------------------ reference TRW-S
+
+
+def reference_trws_bounds(mrf: MRF, iters: int) -> list[float]:
+    """Plain sequential TRW-S with dense matrices, group order; bound after each iteration.
+
+    Messages ``M[(s, t)]`` (from s into t) are label-space vectors; dead labels
+    (``theta_hat = +inf``) get ``h = +inf``. The bound is the backward-pass sum
+    of message normalisation constants plus ``(1 - n_in/n_s) min theta_hat_s``.
+    """
+    n = mrf.num_groups
+    dense = {}
+    nbrs: list[list[int]] = [[] for _ in range(n)]
+    for e, (u, v) in enumerate(mrf.edges.tolist()):
+        d = mrf.factor(e).dense()
+        dense[(u, v)] = d
+        dense[(v, u)] = d.T
+        nbrs[u].append(v)
+        nbrs[v].append(u)
+    n_in = [sum(t < s for t in nbrs[s]) for s in range(n)]
+    n_out = [sum(t > s for t in nbrs[s]) for s in range(n)]
+    chains = [max(1, n_in[s], n_out[s]) for s in range(n)]
+    msg = {(s, t): np.zeros(int(mrf.domain_sizes[t])) for s in range(n) for t in nbrs[s]}
+
+    def theta_hat(s):
+        th = np.array(mrf.unary[s], dtype=np.float64)
+        for t in nbrs[s]:
+            th = th + msg[(t, s)]
+        return th
+
+    def send(s, t, th):
+        h = np.where(np.isinf(th), np.inf, th / chains[s] - np.where(np.isinf(th), 0, msg[(t, s)]))
+        m = (h[:, None] + dense[(s, t)]).min(axis=0)
+        c = m.min()
+        assert np.isfinite(c)
+        msg[(s, t)] = m - c
+        return c
+
+    history = []
+    for _ in range(iters):
+        for s in range(n):
+            th = theta_hat(s)
+            for t in nbrs[s]:
+                if t > s:
+                    send(s, t, th)
+        bound = float(mrf.constant)
+        for s in reversed(range(n)):
+            th = theta_hat(s)
+            for t in nbrs[s]:
+                if t < s:
+                    bound += send(s, t, th)
+            coef = 1.0 - n_in[s] / chains[s]
+            if coef > 0:
+                bound += coef * th.min()
+        history.append(bound)
+    return history
+
+
+def reference_icm_sweep(mrf: MRF, labels: np.ndarray, rtol: float = 1e-12) -> np.ndarray:
+    """One sequential ICM sweep in group order, label kept unless strictly improved."""
+    labels = labels.copy()
+    inc: list[list[tuple[int, int]]] = [[] for _ in range(mrf.num_groups)]
+    for e, (u, v) in enumerate(mrf.edges.tolist()):
+        inc[u].append((e, v))
+        inc[v].append((e, u))
+    for s in range(mrf.num_groups):
+        cost = np.array(mrf.unary[s], dtype=np.float64)
+        for e, t in inc[s]:
+            d = mrf.factor(e).dense()
+            cost = cost + (d[:, labels[t]] if int(mrf.edges[e, 0]) == s else d[labels[t], :])
+        best = int(np.argmin(cost))
+        cur = cost[labels[s]]
+        with np.errstate(invalid="ignore"):
+            if cur - cost[best] > rtol * max(1.0, abs(cost[best])):
+                labels[s] = best
+    return labels
+
+
+# ------------------------------------------------------------------ hand-worked
+
+
+def test_two_groups_hand_worked():
+    """2 groups, classes, a forbidden pair; numbers worked out by hand.
+
+    Group 0: K=3, unary [1, 0, 4], row classes [0, 0, 1].
+    Group 1: K=2, unary [0, 3], column classes [0, 1].
+    Table [[0, inf], [2, 1]], constant 2.5. Energies (x0, x1):
+    (0,0)=1, (1,0)=0, (2,0)=6, (2,1)=8, (0,1)=(1,1)=inf -> optimum 2.5 at (1, 0).
+    gamma_0 = gamma_1 = 1. Forward: class minima of theta_0 = [0, 4]; M_01 =
+    [min(0+0, 4+2), min(0+inf, 4+1)] = [0, 5], c = 0. Backward: theta_hat_1 =
+    [0, 8]; h = [0, 3]; M_10 (classes) = [min(0+0, 3+inf), min(0+2, 3+1)] = [0, 2],
+    c = 0. Bound = 2.5 + 0 + min([1, 0, 4] + [0, 0, 2]) = 2.5.
+    """
+    mrf = _mrf(
+        [3, 2],
+        [[1.0, 0.0, 4.0], [0.0, 3.0]],
+        [[0, 1]],
+        [_factor([0, 0, 1], [0, 1], [[0.0, np.inf], [2.0, 1.0]])],
+        constant=2.5,
+    )
+    res = solve_trws(mrf)
+    assert isinstance(res, SolverResult)
+    assert res.labels.dtype == np.int64
+    assert res.labels.tolist() == [1, 0]
+    assert res.objective == 2.5
+    assert res.bound_history[0] == 2.5
+    assert res.lower_bound == 2.5
+    assert res.lower_bound_source == "trws"
+    assert res.status == "Optimal"
+    assert res.iterations == 1
+    assert res.extra["stop_reason"] == "certified"
+    assert brute_force(mrf) == (pytest.approx([1, 0]), 2.5)
+
+
+def test_frustrated_triangle_is_heuristic():
+    """Binary triangle, cost 1 when the two ends agree, 0 otherwise.
+
+    Every labelling has an agreeing edge, so min E = 1, while the LP relaxation
+    (all marginals 1/2, mass only on disagreeing pairs) is 0. TRW-S converges
+    to that bound: LB = 0 < 1, so the result must be "Heuristic".
+    """
+    f = _factor([0, 1], [0, 1], [[1.0, 0.0], [0.0, 1.0]])
+    mrf = _mrf([2, 2, 2], [[0.0, 0.0]] * 3, [[0, 1], [0, 2], [1, 2]], [f, f, f])
+    res = solve_trws(mrf)
+    assert res.objective == 1.0
+    assert res.lower_bound == pytest.approx(0.0, abs=1e-12)
+    assert res.status == "Heuristic"
+    assert relative_gap(res.objective, res.lower_bound) == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------ versus brute force
+
+
+@pytest.mark.parametrize("kind", ["chain", "tree"])
+def test_trees_match_brute_force(kind):
+    for seed in range(80):
+        rng = np.random.default_rng(1000 * (kind == "tree") + seed)
+        n = int(rng.integers(1, 8))
+        edges = chain_edges(n) if kind == "chain" else tree_edges(rng, n)
+        mrf = random_mrf(rng, n, edges, inf_frac=0.25 if seed % 2 else 0.0, constant=seed)
+        _, opt = brute_force(mrf)
+        # TRW-S alone is exact on trees (and certifies it); the polish must not hurt.
+        bare = solve_trws(mrf, local_search_rounds=0, order="index")
+        assert _close(bare.objective, opt), (seed, bare.objective, opt)
+        assert bare.status == "Optimal", seed
+        assert bare.lower_bound <= opt + RTOL * max(1.0, abs(opt))
+        res = solve_trws(mrf)
+        assert _close(res.objective, opt)
+        assert res.objective == mrf.evaluate(res.labels)
+
+
+def test_loopy_bound_valid_and_monotone():
+    certified = 0
+    for seed in range(150):
+        rng = np.random.default_rng(5000 + seed)
+        n = int(rng.integers(3, 8))
+        m = int(rng.integers(n, n * (n - 1) // 2 + 1))
+        mrf = random_mrf(rng, n, random_edges(rng, n, m), inf_frac=0.2 if seed % 3 == 0 else 0.0)
+        _, opt = brute_force(mrf)
+        order = "index" if seed % 2 else rng.permutation(n)
+        res = solve_trws(mrf, max_iters=200, tol=0.0, order=order)
+        tol = RTOL * max(1.0, abs(opt))
+        assert max(res.bound_history) <= opt + tol, seed
+        assert res.lower_bound <= opt + tol
+        assert _monotone(res.bound_history), (seed, res.bound_history[:10])
+        assert res.objective >= opt - tol
+        if res.status == "Optimal":
+            certified += 1
+            assert _close(res.objective, opt)
+            assert res.objective - res.lower_bound <= RTOL * max(1.0, abs(res.objective))
+        else:
+            assert res.status == "Heuristic"
+            assert res.objective - res.lower_bound > RTOL * max(1.0, abs(res.objective))
+    assert certified > 0  # the certificate path is exercised
+
+
+def test_matches_reference_sequential_trws():
+    """Level batching reproduces the plain sequential sweep bound by bound."""
+    for seed in range(25):
+        rng = np.random.default_rng(9000 + seed)
+        n = int(rng.integers(3, 12))
+        edges = graph_like_edges(rng, n, min(2 * n, n * (n - 1) // 2), window=4)
+        mrf = random_mrf(rng, n, edges, kmax=6, inf_frac=0.1 if seed % 2 else 0.0)
+        try:
+            ref = reference_trws_bounds(mrf, 8)
+        except AssertionError:  # reference found the instance infeasible
+            with pytest.raises(InfeasibleError):
+                solve_trws(mrf, max_iters=8, tol=0.0, order="index")
+            continue
+        res = solve_trws(mrf, max_iters=8, tol=0.0, order="index", local_search_rounds=0)
+        got = res.bound_history
+        assert len(got) <= 8
+        for a, b in zip(got, ref, strict=False):
+            assert _close(a, b), (seed, got, ref)
+
+
+def test_batched_icm_equals_sequential_icm():
+    for seed in range(30):
+        rng = np.random.default_rng(12000 + seed)
+        n = int(rng.integers(2, 15))
+        edges = graph_like_edges(rng, n, min(2 * n, n * (n - 1) // 2), window=5)
+        mrf = random_mrf(rng, n, edges, kmax=6, inf_frac=0.1)
+        cm = CompiledMRF(mrf)
+        buf = cm.new_buffer()
+        labels = np.array([rng.integers(0, k) for k in mrf.domain_sizes], dtype=np.int64)
+        expect = reference_icm_sweep(mrf, labels)
+        got = labels.copy()
+        conditional_sweep(cm, buf, got, cm.icm_batches, improve_only=True)
+        assert got.tolist() == expect.tolist(), seed
+
+
+# ------------------------------------------------------------------ behaviour
+
+
+def test_deterministic():
+    rng = np.random.default_rng(7)
+    n = 60
+    mrf = random_mrf(rng, n, graph_like_edges(rng, n, 140, window=10), kmax=12, inf_frac=0.05)
+    a = solve_trws(mrf, max_iters=40, max_levels=8)
+    b = solve_trws(mrf, max_iters=40, max_levels=8)
+    assert a.extra["order"].startswith("interleaved")
+    assert a.labels.tolist() == b.labels.tolist()
+    assert a.bound_history == b.bound_history
+    assert a.objective == b.objective
+
+
+def test_orders_agree_on_validity():
+    rng = np.random.default_rng(11)
+    n = 40
+    mrf = random_mrf(rng, n, graph_like_edges(rng, n, 90, window=8), kmax=8)
+    results = [
+        solve_trws(mrf, max_iters=60, order="index"),
+        solve_trws(mrf, max_iters=60, order="auto", max_levels=5),
+        solve_trws(mrf, max_iters=60, order=rng.permutation(n)),
+    ]
+    assert [r.extra["order"] for r in results] == ["index", "interleaved(8)", "custom"]
+    best_energy = min(r.objective for r in results)
+    for r in results:
+        assert max(r.bound_history) <= best_energy + RTOL * abs(best_energy)
+        assert _monotone(r.bound_history)
+        assert r.objective == mrf.evaluate(r.labels)
+
+
+def test_interleaved_order_is_permutation():
+    for n, p in [(0, 3), (1, 1), (10, 3), (10, 20), (3000, 24)]:
+        order = interleaved_order(n, p)
+        assert sorted(order.tolist()) == list(range(n))
+    assert interleaved_order(7, 3).tolist() == [0, 3, 6, 1, 4, 2, 5]
+
+
+def test_infeasible_raises():
+    # Every pair is forbidden.
+    f = _factor([0, 1], [0, 1], np.full((2, 2), np.inf))
+    with pytest.raises(InfeasibleError):
+        solve_trws(_mrf([2, 2], [[0, 0], [0, 0]], [[0, 1]], [f]))
+    # Only (0, 1) and (1, 0) allowed, but unaries forbid label 1 on both sides.
+    g = _factor([0, 1], [0, 1], [[np.inf, 0.0], [0.0, np.inf]])
+    with pytest.raises(InfeasibleError):
+        solve_trws(_mrf([2, 2], [[0, np.inf], [0, np.inf]], [[0, 1]], [g]))
+    # A group with every label forbidden.
+    with pytest.raises(InfeasibleError):
+        solve_trws(_mrf([2], [[np.inf, np.inf]], [], []))
+    # Random infeasible trees: arc consistency is complete on trees.
+    seen = 0
+    for seed in range(200):
+        rng = np.random.default_rng(20000 + seed)
+        n = int(rng.integers(2, 7))
+        mrf = random_mrf(rng, n, tree_edges(rng, n), inf_frac=0.6, feasible=False)
+        try:
+            brute_force(mrf)
+        except InfeasibleError:
+            seen += 1
+            with pytest.raises(InfeasibleError):
+                solve_trws(mrf)
+    assert seen > 10
+
+
+def test_no_nan_with_many_forbidden_entries():
+    for seed in range(40):
+        rng = np.random.default_rng(30000 + seed)
+        n = int(rng.integers(3, 9))
+        mrf = random_mrf(rng, n, random_edges(rng, n, 2 * n), inf_frac=0.5, kmax=6)
+        with np.errstate(invalid="raise"):
+            try:
+                res = solve_trws(mrf, max_iters=30)
+            except (InfeasibleError, NoFeasibleLabelingError):
+                continue
+        assert np.isfinite(res.objective)
+        assert all(np.isfinite(res.bound_history))
+
+
+def test_degenerate_shapes():
+    # Domain size 1, isolated groups, constant.
+    f = _factor([0], [0, 1, 1], [[3.0, 1.0]])
+    mrf = _mrf(
+        [1, 3, 2, 1],
+        [[5.0], [0.0, 2.0, 0.5], [4.0, -1.0], [7.0]],
+        [[0, 1]],
+        [f],
+        constant=-2.0,
+    )
+    res = solve_trws(mrf)
+    # Group 1: label 0 costs 0 + 3, label 1 costs 2 + 1, label 2 costs 0.5 + 1 -> label 2.
+    assert res.labels.tolist() == [0, 2, 1, 0]
+    assert res.objective == pytest.approx(-2.0 + 5.0 + 0.5 + 1.0 - 1.0 + 7.0)
+    assert res.status == "Optimal"
+    # No edges at all.
+    res = solve_trws(_mrf([2, 3], [[1.0, 0.0], [2.0, 3.0, 1.0]], [], [], constant=1.0))
+    assert res.labels.tolist() == [1, 2]
+    assert res.objective == res.lower_bound == 2.0
+    assert res.status == "Optimal" and res.extra["stop_reason"] == "no_edges"
+    # No groups.
+    res = solve_trws(_mrf([], [], [], [], constant=4.0))
+    assert res.labels.shape == (0,) and res.objective == 4.0
+
+
+def test_linear_constraints_are_ignored():
+    rng = np.random.default_rng(3)
+    mrf = random_mrf(rng, 5, chain_edges(5))
+    free = solve_trws(mrf)
+    mrf.linear_constraints = [
+        LinearConstraint("mem", {0: np.ones(int(mrf.domain_sizes[0]))}, -np.inf, 0.5)
+    ]
+    res = solve_trws(mrf)
+    assert res.labels.tolist() == free.labels.tolist()
+
+
+def test_progress_iterations_and_time_limit():
+    rng = np.random.default_rng(5)
+    n = 30
+    mrf = random_mrf(rng, n, random_edges(rng, n, 80), kmax=5)
+    calls = []
+    res = solve_trws(mrf, max_iters=7, tol=0.0, progress=lambda *a: calls.append(a))
+    assert [c[0] for c in calls] == list(range(1, res.iterations + 1))
+    assert res.iterations == len(res.bound_history) <= 7
+    assert all(c[1] == b for c, b in zip(calls, res.bound_history, strict=True))
+    res = solve_trws(mrf, max_iters=500, tol=0.0, time_limit_s=0.0)
+    assert res.iterations == 1 and res.extra["stop_reason"] in ("time_limit", "certified")
+
+
+def test_bad_input():
+    f = _factor([0, 1], [0, 1], np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="u < v"):
+        solve_trws(_mrf([2, 2], [[0, 0], [0, 0]], [[1, 0]], [f]))
+    with pytest.raises(ValueError, match="NaN"):
+        solve_trws(_mrf([2, 2], [[0, np.nan], [0, 0]], [[0, 1]], [f]))
+    with pytest.raises(ValueError, match="shape"):
+        solve_trws(_mrf([3, 2], [[0, 0], [0, 0]], [[0, 1]], [f]))
+    with pytest.raises(ValueError, match="max_iters"):
+        solve_trws(_mrf([2], [[0, 0]], [], []), max_iters=0)
+    with pytest.raises(ValueError, match="order"):
+        solve_trws(_mrf([2], [[0, 0]], [], []), order="random")
+
+
+# ------------------------------------------------------------------ local search
+
+
+def test_pairwise_move_escapes_forbidden_pair():
+    """(0,0) costs 5; (1,1) costs 0; mixed pairs are forbidden: ICM alone is stuck."""
+    f = _factor([0, 1], [0, 1], [[5.0, np.inf], [np.inf, 0.0]])
+    mrf = _mrf([2, 2], [[0, 0], [0, 0]], [[0, 1]], [f])
+    start = np.array([0, 0])
+    assert coordinate_descent(mrf, start, 10, pairwise=False).tolist() == [0, 0]
+    assert coordinate_descent(mrf, start, 10).tolist() == [1, 1]
+    assert start.tolist() == [0, 0]
+
+
+def test_coordinate_descent_reaches_local_minimum():
+    for seed in range(20):
+        rng = np.random.default_rng(40000 + seed)
+        n = int(rng.integers(2, 9))
+        mrf = random_mrf(rng, n, random_edges(rng, n, 2 * n), kmax=5)
+        start = np.array([rng.integers(0, k) for k in mrf.domain_sizes])
+        out = coordinate_descent(mrf, start, 100)
+        e_out = mrf.evaluate(out)
+        assert e_out <= mrf.evaluate(start)
+        for g, k in enumerate(mrf.domain_sizes):  # no single-group improvement left
+            for x in range(int(k)):
+                trial = out.copy()
+                trial[g] = x
+                assert mrf.evaluate(trial) >= e_out - 1e-9
+
+
+def test_coordinate_descent_rejects_bad_labels():
+    mrf = _mrf([2, 2], [[0, 0], [0, 0]], [[0, 1]], [_factor([0, 1], [0, 1], np.zeros((2, 2)))])
+    with pytest.raises(ValueError):
+        coordinate_descent(mrf, np.array([0, 2]), 5)
+    with pytest.raises(ValueError):
+        coordinate_descent(mrf, np.array([0]), 5)
+
+
+# ------------------------------------------------------------------ brute force
+
+
+def test_brute_force_matches_enumeration():
+    rng = np.random.default_rng(1)
+    mrf = random_mrf(rng, 4, random_edges(rng, 4, 5), inf_frac=0.2)
+    labels, energy = brute_force(mrf)
+    best = min(mrf.evaluate(np.array(x)) for x in itertools.product(*map(range, mrf.domain_sizes)))
+    assert energy == best == mrf.evaluate(labels)
+
+
+def test_brute_force_refuses_large():
+    mrf = _mrf([2000, 2000], [np.zeros(2000)] * 2, [], [])
+    with pytest.raises(ValueError, match="max_joint_labels"):
+        brute_force(mrf)
+
+
+# ------------------------------------------------------------------ benchmark (opt-in)
+
+
+@pytest.mark.skipif(os.environ.get("TRWS_BENCH") != "1", reason="set TRWS_BENCH=1")
+def test_benchmark_large_instance():
+    mrf = large_instance(np.random.default_rng(0))
+    stamps = []
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = solve_trws(
+        mrf,
+        max_iters=100,
+        tol=0.0,
+        local_search_rounds=0,
+        progress=lambda *a: stamps.append(time.process_time()),
+    )
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    per_iter = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
+    t1 = time.perf_counter()
+    polished = coordinate_descent(mrf, res.labels, 50)
+    print(
+        f"\nTRW-S large instance: G={mrf.num_groups} E={mrf.num_edges} "
+        f"sum K={int(mrf.domain_sizes.sum())} order={res.extra['order']} "
+        f"levels={res.extra['levels']}\n"
+        f"  100 iterations: wall {wall:.2f} s, cpu {cpu:.2f} s "
+        f"(compile {res.extra['compile_seconds']:.2f} s, {per_iter * 1e3:.1f} ms/iteration cpu)\n"
+        f"  bound {res.lower_bound:.2f}  energy {res.objective:.2f}  "
+        f"gap {res.gap:.2e}; local search {time.perf_counter() - t1:.2f} s -> "
+        f"{mrf.evaluate(polished):.2f}"
+    )
