@@ -29,8 +29,10 @@ Layout
   message ``u -> v`` of edge ``e`` is constant over labels of ``v`` with the
   same column class), ``C_e`` entries for the forward message ``u -> v`` and
   ``R_e`` entries for the backward message ``v -> u``. The messages one batch
-  sends occupy one contiguous slice, ``[n_edges, Dmax]`` row-major, padded
-  with ``+inf`` (padding is never read).
+  sends occupy one contiguous slice (edge after edge, no padding).
+* The min-plus step ``mc(j) = min_i hr(i) + T(i, j)`` of a batch is one
+  gather + add + ``np.minimum.reduceat`` over the flat
+  ``[edge][target class][source class]`` triples (``sum_e R_e C_e`` values).
 * A value ``sum_k buf[idx]`` over the incident edges of a group is gathered
   in the layout ``[group][label][incident edge]`` and summed with
   ``np.add.reduceat`` (segments of length ``deg``), so the summation order is
@@ -79,6 +81,7 @@ class SendBatch:
         lab_start: intp ``[n]`` start of each group's labels in ``[L]``.
         coef: float64 ``[n]`` bound coefficient ``1 - n_in/n`` (backward only;
             None when all zero).
+        forward: sweep direction; send_edges: intp ``[nE]`` edge ids sent along.
     """
 
     nodes: np.ndarray
@@ -87,7 +90,9 @@ class SendBatch:
     th_seg: np.ndarray | None
     lab_start: np.ndarray
     coef: np.ndarray | None
+    forward: bool = True
     n_send: int = 0
+    send_edges: np.ndarray | None = None
     gam_rep: np.ndarray | None = None
     snd_rep: np.ndarray | None = None
     snd_rev: np.ndarray | None = None
@@ -313,7 +318,7 @@ class CompiledMRF:
         deg = n_in + n_out
         self.isolated = np.flatnonzero(deg == 0)
         n_chain = np.maximum(np.maximum(n_in, n_out), 1)
-        # gamma_s = 1 / max(n_in, n_out): Kolmogorov 2006, Sec. 4 / Fig. 3.
+        # gamma_s = 1 / max(n_in, n_out) (Kolmogorov 2006, TRW-S; MRFEnergy SetMonotonicTrees).
         self.gamma = 1.0 / n_chain
         # Bound coefficient: chains starting at s divided by chains through s.
         self.coef = np.where(deg > 0, (n_chain - n_in) / n_chain, 1.0)
@@ -334,7 +339,6 @@ class CompiledMRF:
                     best = lev_b[t]
             lev_b[s] = best + 1
         connected = deg > 0
-        self.num_levels = int(lev_f.max()) + 1 if n else 0
 
         def groups(level: np.ndarray, mask: np.ndarray) -> list[np.ndarray]:
             idx = np.flatnonzero(mask)
@@ -477,7 +481,7 @@ class CompiledMRF:
             c = self.coef[nodes]
             coef = c if (c > 0).any() else None
         if n_send == 0:
-            return SendBatch(nodes, theta, th_idx, th_seg, lab_start, coef)
+            return SendBatch(nodes, theta, th_idx, th_seg, lab_start, coef, forward)
         local = {int(s): i for i, s in enumerate(nodes)}
         src_n = np.array([len(self.rcls[e]) if forward else len(self.ccls[e]) for e in send])
         r_src = self.R[send] if forward else self.C[send]
@@ -522,7 +526,9 @@ class CompiledMRF:
             pair_seg=np.concatenate([[0], np.cumsum(pair_len)[:-1]]).astype(_IP, copy=False),
             msg_seg=np.concatenate([[0], np.cumsum(msg_len)[:-1]]).astype(_IP, copy=False),
             msg_len=msg_len,
+            forward=forward,
             n_send=n_send,
+            send_edges=np.array(send, dtype=_IP),
             lo=lo,
             hi=lo + int(msg_len.sum()),
             clo=cstart,

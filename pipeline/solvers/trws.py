@@ -15,7 +15,13 @@ and ``+inf`` marking forbidden labels / pairs.
 
 Order and weights
 -----------------
-Groups are visited in index order. For group ``s`` let
+Groups are visited in a fixed order; below, ``t < s`` means "``t`` comes
+before ``s`` in that order". The order is the group index order, or (default
+for long chain-like graphs, see ``order`` in :func:`solve_trws`) the group
+order cut into contiguous segments that are swept side by side
+(:func:`~pipeline.solvers.compiled.interleaved_order`): TRW-S is valid and
+monotone for any fixed order ([K06] Sec. 4), and the interleaved one needs
+far fewer numpy batches per sweep. For group ``s`` let
 ``n_in(s) = |{t < s : (t, s) in E}|``, ``n_out(s) = |{t > s : (s, t) in E}|``
 and ``n_s = max(n_in(s), n_out(s))``. Pairing each incoming with an outgoing
 edge splits the graph into *monotonic chains* (increasing group index) that
@@ -126,7 +132,11 @@ ProgressFn = Callable[[int, float, float], None]
 
 
 def _send_pass(
-    buf: np.ndarray, batches: list[SendBatch], consts: np.ndarray, node_part: list[float] | None
+    cm: CompiledMRF,
+    buf: np.ndarray,
+    batches: list[SendBatch],
+    consts: np.ndarray,
+    node_part: list[float] | None,
 ) -> None:
     """One TRW-S sweep over ``batches`` (forward or backward), updating ``buf`` in place.
 
@@ -145,8 +155,11 @@ def _send_pass(
         if node_part is not None and b.coef is not None:
             mins = np.minimum.reduceat(th, b.lab_start)
             if mins.max() == _INF:
-                s = int(b.nodes[int(np.argmax(mins))])
-                raise InfeasibleError(f"TRW-S: every label of group {s} is ruled out")
+                s = int(cm.order[b.nodes[int(np.argmax(mins))]])
+                raise InfeasibleError(
+                    f"TRW-S: every label of group {s} is ruled out by forbidden (+inf) "
+                    "entries: no labelling of finite energy exists"
+                )
             node_part.append(float(np.dot(b.coef, mins)))
         if b.n_send == 0:
             continue
@@ -158,11 +171,13 @@ def _send_pass(
         mc = np.minimum.reduceat(hr[b.pair_src] + b.pair_tab, b.pair_seg)  # [sum D_dst]
         c = np.minimum.reduceat(mc, b.msg_seg)  # normalisation constant per message
         if c.max() == _INF:
-            k = int(np.argmax(c))
+            e = int(b.send_edges[int(np.argmax(c))])
+            u, v = (int(cm.order[x]) for x in cm.edges[e])
+            src, dst = (u, v) if b.forward else (v, u)
             raise InfeasibleError(
-                "TRW-S: a message is +inf for every label of its target (sent by one of "
-                f"groups {b.nodes.tolist()[:8]}, message #{k} of the batch): "
-                "no labelling of finite energy exists"
+                f"TRW-S: edge {e} ({min(u, v)}, {max(u, v)}): no label of group {dst} is "
+                f"compatible with a still-allowed label of group {src} (forbidden +inf "
+                "entries): no labelling of finite energy exists"
             )
         mc -= np.repeat(c, b.msg_len)
         buf[b.lo : b.hi] = mc
@@ -229,8 +244,8 @@ def solve_trws(
         ``1e-9 * max(1, |objective|)``, else ``"Heuristic"``. ``extra`` holds
         ``stop_reason`` (``certified``/``converged``/``max_iters``/
         ``time_limit``/``no_edges``), ``energy_trws`` (best decoded energy
-        before the polish), ``best_iteration``, ``levels`` (numpy batches per
-        sweep), ``compile_seconds``.
+        before the polish), ``best_iteration``, ``order``, ``levels`` (numpy
+        batches per sweep), ``compile_seconds``, ``local_search_seconds``.
 
     Raises:
         ValueError: malformed MRF or arguments.
@@ -266,9 +281,9 @@ def solve_trws(
         consts_f = np.zeros(cm.num_edges)
         consts_b = np.zeros(cm.num_edges)
         for it in range(1, max_iters + 1):
-            _send_pass(buf, cm.fwd_batches, consts_f, None)
+            _send_pass(cm, buf, cm.fwd_batches, consts_f, None)
             node_part: list[float] = []
-            _send_pass(buf, cm.bwd_batches, consts_b, node_part)
+            _send_pass(cm, buf, cm.bwd_batches, consts_b, node_part)
             lb = cm.constant + iso_min + float(consts_b.sum()) + float(np.sum(node_part))
             history.append(lb)
             conditional_sweep(cm, buf, labels, cm.decode_batches, improve_only=False)
@@ -288,8 +303,10 @@ def solve_trws(
                 break
     energy_trws = best_energy
     labels = cm.to_external(best_labels)
+    t_polish = time.perf_counter()
     if local_search_rounds > 0 and cm.num_edges:
         labels = coordinate_descent(mrf, labels, local_search_rounds, compiled=cm, buf=buf)
+    t_polished = time.perf_counter()
     objective = mrf.evaluate(labels)
     if not np.isfinite(objective):
         raise NoFeasibleLabelingError(
@@ -314,5 +331,6 @@ def solve_trws(
             "order": order_name,
             "levels": {"forward": len(cm.fwd_batches), "backward": len(cm.bwd_batches)},
             "compile_seconds": t_compiled - t0,
+            "local_search_seconds": t_polished - t_polish,
         },
     )
