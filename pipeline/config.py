@@ -263,6 +263,7 @@ def normalise_overrides(overrides: Sequence[str], multirun: bool = False) -> lis
       it becomes ``mesh='2,4,8'`` / ``mesh_names=[a,b]``. In a multirun
       (``multirun=True``) a comma list stays a sweep.
     * a placement with parentheses, ``constraints.inputs=S(0)RR``, is quoted.
+    * ``experiment=null`` (no experiment) becomes ``~experiment``, which Hydra accepts.
     * a mapping for a dict-typed key, ``model.ffn_hidden_overrides={0:4096}``, becomes
       ``++model.ffn_hidden_overrides={0:4096}``: a plain override of a dict merges in
       struct mode and refuses new keys; ``++`` merges them in.
@@ -279,6 +280,8 @@ def normalise_overrides(overrides: Sequence[str], multirun: bool = False) -> lis
         if m and re.search(r"[()|]", m["val"]):
             ov = f"{m['key']}='{m['val']}'"
         key, sep, val = ov.partition("=")
+        if key == "experiment" and val == "null":
+            ov = "~experiment"
         if sep and val.startswith("{") and re.fullmatch(r"[\w.]+", key):
             found = _schema_type(key)
             if found is not None and typing.get_origin(found[0]) is dict:
@@ -375,11 +378,15 @@ def _check_overrides(overrides: list[str]) -> None:
                 f"{ov}: not a valid override ({reason}); write key=value and quote a value "
                 "holding ( ) , | or spaces, e.g. \"constraints.inputs='S(0)RR'\"") from None
         key = parsed.key_or_group
-        if key.startswith("hydra") or "/" in key or key in GROUPS:
+        if key.startswith("hydra") or "/" in key:
             continue
         if parsed.is_sweep_override():
             raise ConfigError(f"{ov}: a list of values is a sweep; run with -m to sweep, or "
                               "quote the value")
+        if key in GROUPS:
+            if parsed.value() is None and not parsed.is_delete():
+                raise ConfigError(f"{ov}: allowed " + ", ".join(group_options(key)))
+            continue
         found = _schema_type(key)
         if found is None:
             raise ConfigError(f"{ov}: unknown key; {_known_keys(key)}")
@@ -453,7 +460,7 @@ def load_config(overrides: Sequence[str] = ()) -> DictConfig:
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             cfg = compose(config_name="config", overrides=overrides)
-    except (HydraException, OmegaConfBaseException) as err:
+    except (HydraException, OmegaConfBaseException, ValueError) as err:
         raise _composition_error(err, overrides) from None
     finally:
         GlobalHydra.instance().clear()
@@ -731,12 +738,16 @@ class StageDirs:
 def stage_dirs(cfg: DictConfig) -> StageDirs:
     """Result directories of a *resolved* config (see the module docstring for the layout).
 
+    The hardware level is keyed by the topology keys plus ``hardware.*``; the cost mode
+    is the next level (``lazy``/``eager``), so the costs directory is keyed by both.
+
     Example: ``results/runs/llama1b-3f2a9c1e/2x4x8-71b0d2aa/h100-0c9e4f12/lazy/approx-5d1e8b03``.
     """
     root = Path(cfg.results_dir)
     trace = root / "runs" / f"{cfg.model.name}-{config_hash(stage_keys(cfg, 'trace'))}"
     topology = trace / f"{mesh_label(cfg.mesh)}-{config_hash(stage_keys(cfg, 'topology'))}"
-    costs = (topology / f"{cfg.hardware.name}-{config_hash(stage_keys(cfg, 'costs'))}"
+    hardware = {**stage_keys(cfg, "topology"), "hardware": stage_keys(cfg, "costs")["hardware"]}
+    costs = (topology / f"{cfg.hardware.name}-{config_hash(hardware)}"
              / ("lazy" if cfg.lazy_costs else "eager"))
     solve = costs / f"{cfg.solver.name}-{config_hash(stage_keys(cfg, 'solve'))}"
     return StageDirs(trace=trace, topology=topology, costs=costs, solve=solve,
