@@ -1,0 +1,241 @@
+"""Stage 4 - solve: choose a strategy per group and write the plan and run record.
+
+Solvers (pipeline/solvers/, all on the flat MRF of pipeline/costs.py):
+
+* ``approx``: TRW-S (Kolmogorov 2006) then local-search polish; status
+  ``Heuristic`` unless its lower bound certifies the objective (``Optimal``).
+  Never imports PuLP unless ``optimality_check=true``.
+* ``ilp``: the exact integer program (PuLP/CBC or HiGHS); ``lp``: its LP
+  relaxation, accepted only when integral.
+
+The lower bound is for the problem *as posed*: the tied groups, all
+constraints, every candidate strategy (no pruning).
+
+Outputs (in the solve directory): ``solution.parquet`` (one row per node: the
+placements table) and ``run.json`` (the run record, written last).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline import runtime
+from pipeline.costs import (COSTS_FILE, FACTORS_FILE, TRANSITION_COST, CostModel, build_mrf,
+                            group_structure, load_factors)
+from pipeline.topology import TOPOLOGY_FILE, TopologyTables, read_topology
+
+log = logging.getLogger(__name__)
+
+SOLUTION_FILE = "solution.parquet"
+RUN_FILE = "run.json"
+BOUND_PROBLEM = "as posed (tied groups, all constraints, no candidate pruning)"
+
+
+def placement_hash(names: list[str], outputs: list[str], inputs: list[list[str]]) -> str:
+    """SHA-256 over node names with their chosen output and input placements, graph order."""
+    h = hashlib.sha256()
+    for n, o, i in zip(names, outputs, inputs):
+        h.update(f"{n}\t{o}\t{','.join(i)}\n".encode())
+    return h.hexdigest()
+
+
+def node_costs(cm: CostModel, strategy: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-node cost parts of a plan (µs): compute, and over incoming edges the
+    redistribution (comm) and transition parts; ``inf`` comm for an illegal edge."""
+    n = cm.num_nodes
+    compute = np.array([cm.unary(v)[strategy[v]] for v in range(n)])
+    comm = np.zeros(n)
+    trans = np.zeros(n)
+    for e, (u, _element, v, _a) in enumerate(cm.edges):
+        r, c, t = cm.edge_table(e)
+        i, j = r[strategy[u]], c[strategy[v]]
+        differ = bool(cm.out_classes(u, _element)[1][i] != cm.in_classes(v, _a)[1][j])
+        tr = TRANSITION_COST if differ else 0.0
+        comm[v] += t[i, j] - tr
+        trans[v] += tr
+    return {"compute_us": compute, "comm_us": comm, "transition_us": trans}
+
+
+def _solve(cfg: Any, mrf: Any, out_dir: Path) -> Any:
+    s = cfg.solver
+    if s.name == "approx":
+        from pipeline.solvers.trws import solve_trws
+
+        return solve_trws(mrf, max_iters=int(s.max_iters), tol=float(s.tol),
+                          local_search_rounds=int(s.local_search_rounds),
+                          time_limit_s=s.time_limit_s)
+    from pipeline.solvers.ilp import solve_ilp
+
+    return solve_ilp(mrf, backend=str(s.backend), relax=s.name == "lp",
+                     time_limit_s=s.time_limit_s, mip_gap=float(s.mip_gap),
+                     threads=int(s.threads), mps_path=out_dir / "model.mps")
+
+
+def _stage_seconds(dirs: Any) -> dict[str, float]:
+    """Phase seconds recorded by the earlier stages' artifacts."""
+    from pipeline.trace import read_graph
+
+    out: dict[str, float] = {}
+    _, meta = read_graph(dirs.trace)
+    out["trace"] = float(meta.get("seconds", {}).get("trace", 0.0))
+    topo = json.loads((Path(dirs.topology) / TOPOLOGY_FILE).read_text())
+    out["topology"] = float(topo.get("phase_seconds", {}).get("topology", 0.0))
+    costs = json.loads((Path(dirs.costs) / COSTS_FILE).read_text())
+    for k, v in costs.get("phase_seconds", {}).items():
+        out[k] = out.get(k, 0.0) + float(v)
+    return out
+
+
+def run_solve(cfg: Any, dirs: Any) -> None:
+    """Stage entry point: solve, then write ``solution.parquet`` and ``run.json``."""
+    from omegaconf import OmegaConf
+
+    timer = runtime.PhaseTimer()
+    out_dir = Path(dirs.solve)
+    lazy = bool(cfg.lazy_costs)
+    with timer.phase("cost_build"):
+        tt = read_topology(Path(dirs.topology))
+        if lazy:
+            mrf, fp = build_mrf(tt, cfg.hardware, lazy=True)
+            build_factor_seconds = fp.seconds
+        else:
+            mrf = load_factors(Path(dirs.costs) / FACTORS_FILE)
+            fp = None
+            build_factor_seconds = 0.0
+    start = time.perf_counter()
+    result = _solve(cfg, mrf, out_dir)
+    solve_wall = time.perf_counter() - start
+    lazy_factor = (fp.seconds - build_factor_seconds) if fp is not None else 0.0
+    timer.add("factor_build", lazy_factor)
+    timer.add("solve", solve_wall - lazy_factor)
+
+    lp_bound = None
+    if bool(cfg.optimality_check) and math.isfinite(result.objective):
+        from pipeline.solvers.ilp import lp_lower_bound
+
+        with timer.phase("optimality_check"):
+            lp_bound = lp_lower_bound(mrf, backend=str(cfg.solver.backend))
+
+    with timer.phase("report"):
+        record, table = _record(cfg, dirs, tt, mrf, result, lp_bound, timer, fp)
+    runtime.write_parquet(out_dir / SOLUTION_FILE, table,
+                          metadata={"run_id": record["run_id"],
+                                    "placement_hash": record["placement_hash"]})
+    record["peak_rss_bytes"] = runtime.peak_rss_bytes()
+    record["config"] = OmegaConf.to_container(cfg, resolve=True)
+    runtime.write_json(out_dir / RUN_FILE, record)
+    log.info("solve: %s objective %.3f µs bound %.3f gap %.3g status %s", cfg.solver.name,
+             record["objective"], record["lower_bound"], record["gap"], record["status"])
+
+
+def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
+            lp_bound: float | None, timer: runtime.PhaseTimer, fp: Any
+            ) -> tuple[dict[str, Any], pa.Table]:
+    from pipeline.config import config_hash
+    from pipeline.solvers.result import is_certified, relative_gap
+
+    gs = group_structure(tt)
+    labels = np.asarray(result.labels, dtype=np.int64)
+    strategy = labels[gs.group_of]
+    cm = fp.cm if fp is not None else CostModel(tt, cfg.hardware, memoise=True)
+    parts = node_costs(cm, strategy)
+    nodes = tt.nodes
+    names = nodes["name"]
+    outs = [tt.slist_outputs[s][k] for s, k in zip(nodes["slist"], strategy.tolist())]
+    ins = [tt.slist_inputs[s][k] for s, k in zip(nodes["slist"], strategy.tolist())]
+    phash = placement_hash(names, outs, ins)
+
+    objective = float(result.objective)
+    bound, source = float(result.lower_bound), str(result.lower_bound_source)
+    if lp_bound is not None and lp_bound > bound:
+        bound, source = float(lp_bound), "lp"
+    certified = bool(is_certified(objective, bound))
+    status = str(result.status)
+    if cfg.solver.name == "approx":
+        status = "Optimal" if certified else "Heuristic"
+    run_id = config_hash({"dir": str(dirs.solve)})
+    seconds = _stage_seconds(dirs)
+    phases = dict(seconds)
+    for k, v in timer.seconds.items():
+        phases[k] = phases.get(k, 0.0) + v
+    phases["search_total"] = sum(phases.get(k, 0.0) for k in
+                                 ("trace", "topology", "cost_build", "factor_build", "solve"))
+    import pipeline
+
+    phases["wall"] = time.perf_counter() - pipeline.PROCESS_START
+    stats = fp.cm.stats if fp is not None else None
+    costs_meta = json.loads((Path(dirs.costs) / COSTS_FILE).read_text())
+    factor_counts = (
+        {"unary_vectors": stats.unary_vectors, "edge_tables": stats.edge_tables,
+         "group_factors": stats.group_factors} if stats is not None
+        else costs_meta.get("counts", {}))
+    factor_counts = {k: factor_counts.get(k) for k in
+                     ("unary_vectors", "edge_tables", "group_factors")}
+    factor_counts["total"] = sum(v or 0 for v in factor_counts.values())
+    topo_counts = tt.summary["counts"]
+    record: dict[str, Any] = {
+        "run_id": run_id,
+        "solve_dir": str(dirs.solve),
+        "model": str(cfg.model.name),
+        "mesh": "x".join(str(m) for m in cfg.mesh),
+        "mesh_names": list(cfg.mesh_names),
+        "hardware": str(cfg.hardware.name),
+        "cost_mode": "lazy" if cfg.lazy_costs else "eager",
+        "solver": str(cfg.solver.name),
+        "backend": str(cfg.solver.backend) if cfg.solver.name != "approx" else None,
+        "status": status,
+        "objective": objective,
+        "compute_us": float(parts["compute_us"].sum()),
+        "comm_us": float(parts["comm_us"].sum()),
+        "transition_us": float(parts["transition_us"].sum()),
+        "lower_bound": bound,
+        "lower_bound_source": source,
+        "lower_bound_problem": BOUND_PROBLEM,
+        "gap": relative_gap(objective, bound),
+        "certified": certified,
+        "placement_hash": phash,
+        "iterations": int(result.iterations),
+        "counts": {
+            "nodes": topo_counts["nodes"], "edges": topo_counts["edges"],
+            "groups": mrf.num_groups, "group_edges": mrf.num_edges,
+            "strategies": topo_counts["strategies"],
+            "group_strategies": int(np.asarray(mrf.domain_sizes).sum()),
+            "fallback_nodes": topo_counts.get("fallback_nodes", 0),
+            "factors_materialised": factor_counts},
+        "phases": phases,
+        "solver_extra": {k: v for k, v in (result.extra or {}).items()
+                         if isinstance(v, (int, float, str, bool, type(None)))},
+        "bound_history": [float(b) for b in (result.bound_history or [])][-50:],
+        "environment": runtime.environment(),
+        "git": runtime.git_revision(),
+        "revision_label": cfg.get("revision_label"),
+        "fallback_ops": tt.summary.get("fallback_ops", {}),
+    }
+    if lp_bound is not None:
+        record["lp_bound"] = float(lp_bound)
+    table = pa.table({
+        "run_id": [run_id] * len(names),
+        "node": pa.array(nodes["id"], pa.int32()),
+        "name": names,
+        "op": nodes["target"],
+        "layer": nodes["layer"],
+        "role": nodes["role"],
+        "phase": nodes["phase"],
+        "group": pa.array(nodes["group"], pa.int32()),
+        "strategy": pa.array(strategy, pa.int32()),
+        "output_placement": outs,
+        "input_placements": pa.array(ins, pa.list_(pa.string())),
+        "compute_us": parts["compute_us"],
+        "comm_us": parts["comm_us"],
+        "transition_us": parts["transition_us"],
+    })
+    return record, table
