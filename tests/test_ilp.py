@@ -300,8 +300,9 @@ def test_relax_accepts_tree():
 # -------------------------------------------------------------------------------- MPS
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("relax", [False, True])
-def test_mps_resolve_gives_same_objective(tmp_path, relax):
+def test_mps_resolve_gives_same_objective(tmp_path, relax, backend):
     import highspy
 
     mrf = random_mrf(4, num_groups=6, p_inf=0.05, lincon=True, integer_costs=False)
@@ -309,12 +310,12 @@ def test_mps_resolve_gives_same_objective(tmp_path, relax):
     if relax:
         lp = lp_lower_bound(mrf)
         try:
-            solve_ilp(mrf, relax=True, mps_path=path)
+            solve_ilp(mrf, backend=backend, relax=True, mps_path=path)
         except FractionalRelaxationError:
             pass
         target = lp
     else:
-        target = solve_ilp(mrf, mps_path=path).objective
+        target = solve_ilp(mrf, backend=backend, mps_path=path).objective
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
     h.readModel(str(path))
@@ -412,6 +413,7 @@ Total time (CPU seconds):       22.28   (Wallclock seconds):       45.27
         "result": "Stopped on time limit",
         "objective": 126125.42903012,
         "lower_bound": 36826.442,
+        "lower_bound_rounding": 0.0005,
         "gap": 2.42,
         "nodes": 0,
         "iterations": 0,
@@ -500,3 +502,17 @@ def test_dominance_keeps_ilp_and_only_raises_lp(seed):
     if s0 == OPTIMAL:
         assert ilp0 == pytest.approx(ilp1, abs=1e-9)
         assert lp0 <= lp1 + 1e-9 and lp1 <= ilp1 + 1e-9
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_positive_mip_gap_reports_the_dual_bound(backend):
+    """ "Optimal (within gap tolerance)" must not claim bound == objective."""
+    mrf = synthetic_mrf(30, 90, (8, 14), (4, 7), seed=3)
+    res = solve_ilp(mrf, backend=backend, mip_gap=0.2, time_limit_s=3.0)
+    assert res.status in (OPTIMAL, FEASIBLE_TIME_LIMIT)
+    assert res.lower_bound <= res.objective == mrf.evaluate(res.labels)
+    if res.status == OPTIMAL:
+        assert res.objective - res.lower_bound <= 0.2 * abs(res.objective) + 1e-6
+    if backend == "cbc":  # CBC stops at the root here, "within gap tolerance"
+        assert res.lower_bound < res.objective
+        assert res.lower_bound >= lp_lower_bound(mrf) - 1e-3  # cuts only raise it

@@ -123,6 +123,7 @@ Errors: ``ValueError`` for malformed MRFs (shape mismatch, NaN, ``-inf``);
 
 from __future__ import annotations
 
+import decimal
 import math
 import os
 import re
@@ -635,8 +636,9 @@ def parse_cbc_log(text: str) -> dict:
     """Extract the summary of a CBC run from its stdout.
 
     Returns a dict with any of: ``result`` (the "Result - ..." phrase),
-    ``objective``, ``lower_bound``, ``gap``, ``nodes``, ``iterations``,
-    ``wall_seconds``, ``cpu_seconds``.
+    ``objective``, ``lower_bound`` (as printed, i.e. rounded),
+    ``lower_bound_rounding`` (half a unit of its last printed digit), ``gap``,
+    ``nodes``, ``iterations``, ``wall_seconds``, ``cpu_seconds``.
     """
     out: dict = {}
     pats = {
@@ -653,6 +655,11 @@ def parse_cbc_log(text: str) -> dict:
         if m:
             val = m[-1]
             out[key] = int(val) if key in ("nodes", "iterations") else float(val)
+            if key == "lower_bound" and math.isfinite(out[key]):
+                # CBC rounds the bound it prints (e.g. 3 decimals); step down by
+                # half a unit of the last printed digit so it stays a valid bound.
+                exponent = decimal.Decimal(val).as_tuple().exponent
+                out["lower_bound_rounding"] = 0.5 * 10.0 ** int(exponent)
     m = re.findall(r"^Result - (.*)$", text, flags=re.MULTILINE)
     if m:
         out["result"] = m[-1].strip()
@@ -691,10 +698,9 @@ def _solve_cbc(model, *, relax, time_limit_s, mip_gap, threads, msg, mps_path):
         t0 = time.perf_counter()
         h = _new_highs(False, threads)
         h.passModel(_highs_lp(model, relax=relax, names=True))
-        run_mps = os.path.join(tmp, "model.mps")
+        # CBC reads the requested MPS file itself (written once), else a temp one.
+        run_mps = str(mps_path) if mps_path is not None else os.path.join(tmp, "model.mps")
         _write_mps_highs(h, Path(run_mps))
-        if mps_path is not None:
-            _write_mps_highs(h, Path(mps_path))
         del h
         extra["mps_seconds"] = time.perf_counter() - t0
         sol = os.path.join(tmp, "model.sol")
@@ -746,16 +752,18 @@ def _solve_cbc(model, *, relax, time_limit_s, mip_gap, threads, msg, mps_path):
     if col_value is not None:
         obj = float(model.col_cost @ col_value + model.offset)
     cbc_obj = log.get("objective")
+    # CBC prints "Lower bound:" whenever optimality is not proven outright,
+    # including "Optimal solution found (within gap tolerance)" for -ratio > 0.
     bound = -math.inf
-    if status == OPTIMAL:
-        bound = obj
-    elif not relax and "lower_bound" in log:
-        bound = float(log["lower_bound"])
+    if not relax and "lower_bound" in log:
+        bound = float(log["lower_bound"]) - log.get("lower_bound_rounding", 0.0)
         if cbc_obj is not None and col_value is not None:
             bound += obj - float(cbc_obj)  # same offset convention as our objective
-    gap = 0.0 if status == OPTIMAL else float(log.get("gap", math.inf))
-    if status == FEASIBLE_TIME_LIMIT and math.isfinite(bound) and obj != 0:
-        gap = (obj - bound) / abs(obj)
+    elif status == OPTIMAL:
+        bound = obj
+    gap = math.inf
+    if col_value is not None and math.isfinite(bound):
+        gap = max(0.0, obj - bound) / max(abs(obj), 1e-12)
     extra.update(
         cbc_objective=cbc_obj,
         mip_nodes=log.get("nodes", 0),
