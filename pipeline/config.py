@@ -447,12 +447,16 @@ def load_config(overrides: Sequence[str] = ()) -> DictConfig:
     Raises:
         ConfigError: one line, for an unknown group option (``solver=foo``), an unknown
             key, a value of the wrong type (``lazy_costs=maybe``) or a malformed override.
+        FileNotFoundError: ``conf/`` is missing (a non-editable install).
     """
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    if not (CONF_DIR / "config.yaml").is_file():
+        raise FileNotFoundError(f"{CONF_DIR / 'config.yaml'} not found: the pipeline runs from "
+                                "a checkout (install it with `pip install -e .`)")
     overrides = normalise_overrides(list(overrides))
     _check_overrides(overrides)
     register_configs()
