@@ -68,7 +68,13 @@ def _hydra_task(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(err, file=sys.stderr)
         sys.exit(2)
-    run_pipeline(resolved)
+    from pipeline.cli import USER_ERRORS
+
+    try:
+        run_pipeline(resolved)
+    except USER_ERRORS as err:
+        print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
+        sys.exit(2)
 
 
 def _prevalidate(argv: Sequence[str]) -> list[str]:

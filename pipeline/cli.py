@@ -59,6 +59,17 @@ _CODE_STAMP = ".code"
 _USAGE = f"usage: python -m pipeline.cli {{{','.join(STAGES)}}} [hydra overrides...]"
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from pipeline.errors import PlanError
+    from pipeline.solvers.errors import FractionalRelaxationError, InfeasibleError
+
+    return (PlanError, FractionalRelaxationError, InfeasibleError)
+
+
+#: Errors whose one-line message is the whole story for the user (exit status 2).
+USER_ERRORS = _user_errors()
+
+
 def sentinel(dirs: StageDirs, stage: str) -> Path:
     """Path of the artifact ``stage`` writes last (``dirs.solve / "run.json"``, ...)."""
     return dirs.of(stage) / SENTINELS[stage]
@@ -176,7 +187,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(err, file=sys.stderr)
         return 2
     configure_logging()
-    run_stage(stage, cfg, stage_dirs(cfg))
+    try:
+        run_stage(stage, cfg, stage_dirs(cfg))
+    except USER_ERRORS as err:
+        print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
+        return 2
     return 0
 
 

@@ -66,13 +66,23 @@ def node_costs(cm: CostModel, strategy: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _solve(cfg: Any, mrf: Any, out_dir: Path) -> Any:
+    """Run the configured solver; side rows go to the ILP as rows, to TRW-S through
+    Lagrangian relaxation (pipeline/solvers/lagrangian.py)."""
     s = cfg.solver
     if s.name == "approx":
         from pipeline.solvers.trws import solve_trws
 
-        return solve_trws(mrf, max_iters=int(s.max_iters), tol=float(s.tol),
-                          local_search_rounds=int(s.local_search_rounds),
-                          time_limit_s=s.time_limit_s)
+        def trws(m: Any) -> Any:
+            return solve_trws(m, max_iters=int(s.max_iters), tol=float(s.tol),
+                              local_search_rounds=int(s.local_search_rounds),
+                              time_limit_s=s.time_limit_s)
+
+        if mrf.linear_constraints:
+            from pipeline.solvers.lagrangian import solve_with_row
+
+            (row,) = mrf.linear_constraints
+            return solve_with_row(mrf, row, trws)
+        return trws(mrf)
     from pipeline.solvers.ilp import solve_ilp
 
     return solve_ilp(mrf, backend=str(s.backend), relax=s.name == "lp",
@@ -111,6 +121,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
             mrf = load_factors(Path(dirs.costs) / FACTORS_FILE)
             fp = None
             build_factor_seconds = 0.0
+    budget = _budget(cfg, tt, mrf)
     start = time.perf_counter()
     result = _solve(cfg, mrf, out_dir)
     solve_wall = time.perf_counter() - start
@@ -126,7 +137,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
             lp_bound = lp_lower_bound(mrf, backend=str(cfg.solver.backend))
 
     with timer.phase("report"):
-        record, table = _record(cfg, dirs, tt, mrf, result, lp_bound, timer, fp)
+        record, table = _record(cfg, dirs, tt, mrf, result, lp_bound, timer, fp, budget)
     runtime.write_parquet(out_dir / SOLUTION_FILE, table,
                           metadata={"run_id": record["run_id"],
                                     "placement_hash": record["placement_hash"]})
@@ -137,8 +148,28 @@ def run_solve(cfg: Any, dirs: Any) -> None:
              record["objective"], record["lower_bound"], record["gap"], record["status"])
 
 
+def _budget(cfg: Any, tt: TopologyTables, mrf: Any) -> Any:
+    """Attach the parameter-memory row to ``mrf`` (pipeline/constraints.py); fail fast
+    with a PlanError when the pins make it infeasible."""
+    from omegaconf import OmegaConf
+
+    from pipeline.constraints import check_budget_feasible, param_budget
+
+    pm = cfg.constraints.param_memory
+    if pm is None:
+        return None
+    gs_group = np.asarray(tt.nodes["group"], dtype=np.int64)
+    pins = tt.summary.get("pins", {})
+    budget = param_budget(tt, gs_group, np.asarray(mrf.domain_sizes),
+                          OmegaConf.to_container(pm, resolve=True), set(pins))
+    if budget is not None and budget.constraint is not None:
+        check_budget_feasible(budget, mrf.unary, pins)
+        mrf.linear_constraints = [budget.constraint]
+    return budget
+
+
 def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
-            lp_bound: float | None, timer: runtime.PhaseTimer, fp: Any
+            lp_bound: float | None, timer: runtime.PhaseTimer, fp: Any, budget: Any = None
             ) -> tuple[dict[str, Any], pa.Table]:
     from pipeline.config import config_hash
     from pipeline.solvers.result import is_certified, relative_gap
@@ -222,6 +253,16 @@ def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
     }
     if lp_bound is not None:
         record["lp_bound"] = float(lp_bound)
+    if budget is not None:
+        from pipeline.constraints import used_memory
+
+        used = used_memory(budget, strategy)
+        record["param_memory"] = {
+            "low": budget.low, "high": budget.high, "ratio_sum": used["ratio_sum"],
+            "bytes_per_device": used["bytes_per_device"], "full_bytes": used["full_bytes"],
+            "parameters": len(budget.params), "excluded": budget.excluded,
+            "multiplier": float((result.extra or {}).get("multiplier", 0.0)),
+            "weighting": "parameter count"}
     table = pa.table({
         "run_id": [run_id] * len(names),
         "node": pa.array(nodes["id"], pa.int32()),

@@ -64,6 +64,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import runtime
+from pipeline.errors import PlanError
 from pipeline.placements import format_placements, parse_placements
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ STRATEGIES_FILE = "strategies.parquet"
 EDGES_FILE = "edges.parquet"
 
 
-class TopologyError(ValueError):
+class TopologyError(PlanError):
     """A constraint or graph fact that makes the placement problem ill-posed."""
 
 
