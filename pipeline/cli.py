@@ -156,12 +156,29 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
             log.info("%s: reusing %s", stage, sentinel(dirs, stage))
             return False
         log.info("%s: running in %s", stage, directory)
-        _call_stage(stage, cfg, dirs)
+        try:
+            _call_stage(stage, cfg, dirs)
+        except BaseException:
+            _remove_if_empty(directory)
+            raise
         if not sentinel(dirs, stage).exists():
             raise FileNotFoundError(
                 f"stage {stage} finished without writing {sentinel(dirs, stage)}")
         (directory / _CODE_STAMP).write_text(code + "\n")
     return True
+
+
+def _remove_if_empty(directory: Path) -> None:
+    """After a failed stage: drop its directory if only the lock file is in it, so a
+    failure leaves nothing half-made behind (the lock is released by then only on
+    POSIX unlink semantics, which keep the open descriptor valid)."""
+    entries = [p for p in directory.iterdir() if p.name != ".lock"] if directory.exists() else []
+    if not entries and directory.exists():
+        (directory / ".lock").unlink(missing_ok=True)
+        try:
+            directory.rmdir()
+        except OSError:
+            pass
 
 
 def configure_logging() -> None:

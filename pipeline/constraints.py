@@ -5,7 +5,8 @@ public reference's optimizer: for parameter p under strategy k let
 
     r_p(k) = local elements / full elements      (1 replicated, 1/64 on 64 devices)
 
-and ``min_r_p = min_k r_p(k)`` (the most p can be sharded). The plan must satisfy
+and ``min_r_p`` the smallest ratio p's tensor can reach on the mesh, before
+any pin (the most p can be sharded). The plan must satisfy
 
     sum_p max(min_r_p, low)  <=  sum_p r_p(x_p)  <=  sum_p max(min_r_p, high)
 
@@ -106,8 +107,11 @@ def param_budget(tt: Any, group_of: np.ndarray, domain: np.ndarray, cfg_budget: 
         bytes_of[v] = (math.prod(meta["shape"]) if meta["shape"] else 1) * itemsize(meta["dtype"])
     if not params:
         return ParamBudget(None, low, high, [], {}, {}, excluded)
-    lo = sum(max(float(ratios[p].min()), low) for p in params)
-    hi = sum(max(float(ratios[p].min()), high) for p in params)
+    # min_r_p is what the tensor can reach on the mesh, before any pin: a pin that keeps
+    # a counted parameter replicated then shows up as an infeasible budget.
+    min_r = {p: float(nodes["min_param_ratio"][p]) for p in params}
+    lo = sum(max(min_r[p], low) for p in params)
+    hi = sum(max(min_r[p], high) for p in params)
     coef: dict[int, np.ndarray] = {}
     for p in params:
         g = int(group_of[p])

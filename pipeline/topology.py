@@ -99,6 +99,7 @@ class GNode:
     layer: str | None
     phase: str
     output_desc: list | None
+    module_path: str = ""
     refs: list[int] = field(default_factory=list)  # tensor-arg producers, flattened order
 
 
@@ -125,7 +126,8 @@ def load_nodes(table: pa.Table) -> list[GNode]:
             target=cols["target"][i], args=args, kwargs=kwargs,
             outputs=json.loads(cols["outputs"][i]), tuple_output=cols["tuple_output"][i],
             role=cols["role"][i], fqn=cols["fqn"][i], layer=cols["layer"][i],
-            phase=cols["phase"][i], output_desc=json.loads(od) if od else None)
+            phase=cols["phase"][i], output_desc=json.loads(od) if od else None,
+            module_path=cols["module_path"][i] or "")
         n.refs = _refs(args) + _refs(kwargs)
         nodes.append(n)
     return nodes
@@ -567,6 +569,7 @@ class MNode:
     graph_idx: int | None = None
     fqn: str | None = None
     tied_to: int | None = None  # fwd/bwd twin (gradient sink -> parameter)
+    min_ratio: float | None = None  # parameters: smallest local/full size, before pins
 
 
 def _output_element_meta(nodes: list[GNode], ref: int, element: int) -> dict | None:
@@ -668,15 +671,6 @@ class Topology:
     seconds: dict[str, float]
 
 
-def _pin(slist: StrategyList, want: tuple, node: str, key: str) -> StrategyList:
-    keep = [k for k, o in enumerate(slist.outputs) if o == want]
-    if not keep:
-        raise TopologyError(
-            f"{key}={format_placements(want)}: no strategy of node {node} has this placement")
-    return StrategyList(tuple(slist.outputs[k] for k in keep),
-                        tuple(slist.inputs[k] for k in keep), slist.fallback)
-
-
 def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
                    mesh_names: tuple[str, ...], constraints: dict[str, Any],
                    repeated_subgraphs: bool) -> Topology:
@@ -707,6 +701,7 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
     input_pin = (parse_placements(inputs_text, ndim) if inputs_text
                  else (Shard(0),) + (Replicate(),) * (ndim - 1))
     pins: dict[str, str] = {}
+    requests: list[tuple[int, tuple, str, str]] = []  # (node id, placement, key, text)
     mnodes: list[MNode] = []
     fallback: dict[str, int] = {}
     id_of: dict[int, int] = {}
@@ -737,8 +732,8 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
             sl = placeholder_list(meta["shape"]) if meta is not None else StrategyList(
                 (rep,), ((),))
             if n.role == "input":
-                sl = _pin(sl, input_pin, n.name, "constraints.inputs")
-                pins[n.name] = format_placements(input_pin)
+                requests.append((len(mnodes), input_pin, "constraints.inputs",
+                                 format_placements(input_pin)))
         elif n.target == "getitem":
             prod = mnodes[producers[0][0]]
             element = producers[0][1]
@@ -781,15 +776,23 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
             sink_sl = placeholder_lists.setdefault(("sink", param.slist), sink_sl)
             name, role, layer, tied = f"output:grad:{param.fqn}", "grad", param.layer, param.id
         else:
-            loss = mnodes[src]
-            mnodes[src].slist = intern(_pin(slists[loss.slist], rep, loss.name, "loss"))
-            pins[loss.name] = format_placements(rep)
+            requests.append((src, rep, "loss", format_placements(rep)))
             sink_sl = placeholder_lists.setdefault(("loss",), StrategyList((rep,), ((rep,),)))
             name, role, layer, tied = f"output:{k}", "output", None, None
         mnodes.append(MNode(
             id=len(mnodes), name=name, target="output", role=role, layer=layer, phase="bwd",
             slist=intern(sink_sl), producers=[(src, -1)], in_metas=[meta], out_metas=[meta],
             tied_to=tied, fqn=desc.get("grad_of")))
+
+    # The model output (logits): constraints.outputs.
+    outputs_text = constraints.get("outputs")
+    if outputs_text:
+        want = parse_placements(outputs_text, ndim)
+        logits = find_logits(nodes, flat_outs, descs)
+        if logits is None:
+            raise TopologyError(f"constraints.outputs={outputs_text}: no model output found "
+                                "before the loss")
+        requests.append((id_of[logits], want, "constraints.outputs", outputs_text))
 
     # User pins on node outputs.
     for entry in constraints.get("nodes") or []:
@@ -805,8 +808,7 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
         if not hits:
             raise TopologyError(f"constraints.nodes[match={match}]: matches no node")
         for m in hits:
-            m.slist = intern(_pin(slists[m.slist], want, m.name, f"constraints.nodes[{match}]"))
-            pins[m.name] = text
+            requests.append((m.id, want, f"constraints.nodes[match={match}]", text))
 
     edges = []
     for m in mnodes:
@@ -864,12 +866,71 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
         group_of.append(roots[r])
         groups[roots[r]].append(m.id)
 
+    for m in mnodes:
+        if m.role == "param" and m.out_metas and m.out_metas[0] is not None:
+            m.min_ratio = min(_local_ratio(m.out_metas[0]["shape"], o, mesh_shape)
+                              for o in slists[m.slist].outputs)
+
+    # Pins restrict a whole group to the labels where the pinned member has the
+    # placement, so every member keeps the same label indexing and ties survive.
+    for node_id, want, key, text in requests:
+        g = group_of[node_id]
+        sl = slists[mnodes[node_id].slist]
+        keep = [k for k, o in enumerate(sl.outputs) if o == want]
+        if not keep:
+            raise TopologyError(f"{key}: placement={text} is not a strategy of node "
+                                f"{mnodes[node_id].name} (or of the nodes tied to it)")
+        if len(keep) == len(sl):
+            pins[mnodes[node_id].name] = text
+            continue
+        filtered: dict[int, int] = {}
+        for member in groups[g]:
+            old = mnodes[member].slist
+            if old not in filtered:
+                src = slists[old]
+                filtered[old] = intern(StrategyList(tuple(src.outputs[k] for k in keep),
+                                                    tuple(src.inputs[k] for k in keep),
+                                                    src.fallback))
+            mnodes[member].slist = filtered[old]
+        pins[mnodes[node_id].name] = text
+
     return Topology(
         mesh_shape=mesh_shape, mesh_names=mesh_names, nodes=mnodes, slists=slists, edges=edges,
         group_of=group_of, groups=groups, fallback_ops=fallback, constraints=pins,
         layer_classes=classes_info,
         seconds={"strategies": t_strat, "total": time.perf_counter() - t0,
                  "dtensor_enumeration": enum.seconds})
+
+
+def _local_ratio(shape: list[int], placements: tuple, mesh_shape: tuple[int, ...]) -> float:
+    """Local elements / full elements of a tensor under ``placements`` (ceil division)."""
+    loc = list(shape)
+    for md, p in enumerate(placements):
+        if p.is_shard():
+            d = p.dim % len(shape)
+            loc[d] = -(-loc[d] // mesh_shape[md])
+    return math.prod(loc) / math.prod(shape) if shape else 1.0
+
+
+def find_logits(nodes: list[GNode], flat_outs: list, descs: list) -> int | None:
+    """The model's output before the loss: walking back from the loss value through
+    forward ops outside any module (the loss function), the first node produced inside
+    a module (for LLaMA the lm-head projection, ``[batch, seq, vocab]``)."""
+    loss = next((r["node"] for r, d in zip(flat_outs, descs)
+                 if isinstance(r, dict) and d.get("kind") == "loss"), None)
+    if loss is None:
+        return None
+    frontier, seen = [loss], set()
+    while frontier:
+        i = frontier.pop(0)
+        if i in seen:
+            continue
+        seen.add(i)
+        n = nodes[i]
+        if n.kind == "call_function" and n.module_path and n.phase == "fwd":
+            return i
+        frontier.extend(r for r in n.refs if nodes[r].role == "activation")
+    return None
 
 
 def _matches(m: MNode, pattern: str) -> bool:
@@ -919,6 +980,7 @@ def write_topology(topo: Topology, out_dir: Path, meta: dict[str, Any]) -> None:
         "slist": pa.array([m.slist for m in nodes], pa.int32()),
         "num_strategies": pa.array([len(topo.slists[m.slist]) for m in nodes], pa.int32()),
         "fallback": [topo.slists[m.slist].fallback for m in nodes],
+        "min_param_ratio": pa.array([m.min_ratio for m in nodes], pa.float64()),
         "args": [json.dumps(m.args) for m in nodes],
         "kwargs": [json.dumps(m.kwargs) for m in nodes],
         "in_metas": [json.dumps(m.in_metas) for m in nodes],
