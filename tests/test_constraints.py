@@ -1,0 +1,188 @@
+"""Constraints that shape the plan: parameter-memory budget, pins, infeasibility.
+
+Expected values are worked out by hand from the toy model's shapes
+(conf/model/toy.yaml: dim 256, 2 layers, 8 heads, 4 KV heads -> head dim 32,
+KV width 128, SwiGLU hidden 768, vocab 1024) and the budget formula of
+pipeline/constraints.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline.config import load_resolved, stage_dirs
+from pipeline.solvers.lagrangian import repair, row_value, solve_with_row, tighten
+from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Parameter shapes of the toy model, in elements (float32 storage).
+TOY_PARAMS = (
+    [1024 * 256]  # tok_embeddings
+    + 2 * [256, 256 * 256, 128 * 256, 128 * 256, 256 * 256, 256, 768 * 256, 256 * 768,
+           768 * 256]  # per layer: norms, wq, wk, wv, wo, w1, w2, w3
+    + [256, 1024 * 256]  # final norm, output
+)
+
+
+def _run(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", "model=toy", f"results_dir={tmp}", *overrides],
+        cwd=tmp, capture_output=True, text=True, timeout=900,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp)})
+
+
+def _outputs(tmp: Path, *overrides: str) -> tuple[dict, pd.DataFrame]:
+    cfg = load_resolved(["model=toy", f"results_dir={tmp}", *overrides])
+    solve = Path(stage_dirs(cfg).solve)
+    return json.loads((solve / "run.json").read_text()), pd.read_parquet(
+        solve / "solution.parquet")
+
+
+@pytest.fixture(scope="module")
+def dp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("dp8")
+    for extra in ([], ["constraints.param_memory=null"]):
+        proc = _run(tmp, "mesh=8", *extra)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    return tmp
+
+
+def test_toy_param_count() -> None:
+    assert len(TOY_PARAMS) == 21
+    assert sum(TOY_PARAMS) == 2_098_432  # 8,393,728 bytes in float32
+
+
+def test_default_budget_shards_every_parameter(dp8: Path) -> None:
+    rec, sol = _outputs(dp8, "mesh=8")
+    params = sol[sol.role == "param"]
+    assert len(params) == 21
+    # high = 1/8: every parameter at its smallest ratio, i.e. sharded on dp.
+    assert all(p.startswith("S(") for p in params.output_placement), params.output_placement
+    # Hand computation: every toy dim is divisible by 8, so each ratio is exactly 1/8.
+    pm = rec["param_memory"]
+    assert pm["ratio_sum"] == pytest.approx(21 / 8, rel=1e-12)
+    assert pm["high"] == pytest.approx(21 / 8, rel=1e-12)
+    assert pm["full_bytes"] == 4 * sum(TOY_PARAMS)
+    assert pm["bytes_per_device"] == pytest.approx(4 * sum(TOY_PARAMS) / 8, rel=1e-12)
+    # Gradient sinks carry their parameter's placement (fwd/bwd tie).
+    grads = sol[sol.role == "grad"].set_index("name")
+    for row in params.itertuples():
+        fqn = _fqn_of(dp8, row.name)
+        assert grads.loc[f"output:grad:{fqn}", "output_placement"] == row.output_placement
+
+
+def test_no_budget_replicates_parameters(dp8: Path) -> None:
+    rec, sol = _outputs(dp8, "mesh=8", "constraints.param_memory=null")
+    assert "param_memory" not in rec
+    params = sol[sol.role == "param"]
+    assert set(params.output_placement) == {"R"}
+    budget_rec, _ = _outputs(dp8, "mesh=8")
+    # The budget can only cost time: the unconstrained optimum is a lower bound.
+    assert rec["objective"] <= budget_rec["objective"] + 1e-9
+
+
+def _fqn_of(tmp: Path, name: str) -> str:
+    cfg = load_resolved(["model=toy", f"results_dir={tmp}", "mesh=8"])
+    nodes = pd.read_parquet(Path(stage_dirs(cfg).topology) / "nodes.parquet")
+    return nodes.set_index("name").loc[name, "fqn"]
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["constraints.nodes=[{match:primals_1,placement:'S(5)'}]"],
+     "constraints.nodes[match=primals_1]: placement=S(5) is not a strategy of node primals_1"),
+    (["constraints.nodes=[{match:nosuch_node,placement:R}]"],
+     "constraints.nodes[match=nosuch_node]: matches no node"),
+    # A pin on the gradient keeps the (tied) parameter replicated, but the budget counts it.
+    (["constraints.nodes=[{match:'output:grad:layers.0.attention.wq.weight',placement:R}]"],
+     "constraints.param_memory.high=2.625: infeasible"),
+    (["constraints.nodes=[{match:primals_1,placement:P}]"],
+     "Partial"),
+])
+def test_infeasible_constraints_fail_with_one_line(tmp_path: Path, overrides: list[str],
+                                                   expected: str) -> None:
+    proc = _run(tmp_path, "mesh=8", *overrides)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and " INFO" not in ln
+             and "Warning" not in ln and "warn" not in ln.lower()]
+    assert len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
+    assert not list(tmp_path.glob("runs/**/run.json"))
+
+
+def test_outputs_pin_logits(tmp_path: Path) -> None:
+    proc = _run(tmp_path, "mesh=2x4", "constraints.outputs=S(0)S(2)",
+                "constraints.param_memory=null")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _, sol = _outputs(tmp_path, "mesh=2x4", "constraints.outputs=S(0)S(2)",
+                      "constraints.param_memory=null")
+    logits = sol[(sol.op == "aten._unsafe_view.default") & (sol.layer.isna())]
+    pinned = logits[logits.output_placement == "S(0)S(2)"]
+    assert len(pinned) == 1, logits[["name", "output_placement"]]
+
+
+# --------------------------------------------------------------------------- Lagrangian
+
+
+def _chain(unary: list[list[float]], tables: list[np.ndarray]) -> MRF:
+    factors = [PairwiseFactor(np.arange(t.shape[0], dtype=np.int32),
+                              np.arange(t.shape[1], dtype=np.int32), t) for t in tables]
+    return MRF(domain_sizes=np.array([len(u) for u in unary]),
+               unary=[np.array(u, dtype=float) for u in unary],
+               edges=np.array([[i, i + 1] for i in range(len(tables))]).reshape(-1, 2),
+               factor=factors.__getitem__)
+
+
+def _brute(mrf: MRF, row: LinearConstraint) -> float:
+    import itertools
+
+    best = math.inf
+    for labels in itertools.product(*[range(k) for k in mrf.domain_sizes]):
+        x = np.array(labels)
+        if row.low - 1e-12 <= row_value(row, x) <= row.high + 1e-12:
+            best = min(best, mrf.evaluate(x))
+    return best
+
+
+def test_lagrangian_matches_brute_force_and_bound_holds() -> None:
+    from pipeline.solvers.trws import solve_trws
+
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = 5
+        unary = [list(rng.uniform(0, 10, 3)) for _ in range(n)]
+        tables = [rng.uniform(0, 5, (3, 3)) for _ in range(n - 1)]
+        mrf = _chain(unary, tables)
+        coef = {g: np.array([1.0, 0.5, 0.25]) for g in range(n)}
+        row = LinearConstraint("budget", coef, low=0.0, high=float(rng.uniform(1.25, 4.0)))
+        res = solve_with_row(mrf, row, lambda m: solve_trws(m, max_iters=50),
+                             bisect_steps=12)
+        opt = _brute(mrf, row)
+        assert row_value(row, res.labels) <= row.high + 1e-9
+        assert res.objective >= opt - 1e-9
+        assert res.lower_bound <= opt + 1e-9
+
+
+def test_tight_row_is_an_exact_restriction() -> None:
+    mrf = _chain([[0.0, 1.0], [0.0, 1.0]], [np.array([[0.0, 5.0], [5.0, 0.0]])])
+    row = LinearConstraint("budget", {0: np.array([1.0, 0.5]), 1: np.array([1.0, 0.5])},
+                           low=0.0, high=1.0)
+    restricted, tight = tighten(mrf, row)
+    assert tight
+    assert np.isinf(restricted.unary[0][0]) and np.isinf(restricted.unary[1][0])
+
+
+def test_repair_reaches_feasibility() -> None:
+    mrf = _chain([[0.0, 3.0], [0.0, 1.0]], [np.zeros((2, 2))])
+    row = LinearConstraint("budget", {0: np.array([1.0, 0.0]), 1: np.array([1.0, 0.0])},
+                           low=0.0, high=1.0)
+    labels = repair(mrf, row, np.array([0, 0]))
+    # Moving group 1 costs 1.0 per unit of violation removed, group 0 costs 3.0.
+    assert labels.tolist() == [0, 1]
