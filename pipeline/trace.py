@@ -2,8 +2,9 @@
 
 The model is built on the meta device, a fake process group sized to the
 mesh is initialised (``torch.distributed`` "fake" backend, no GPU), and the
-training step is captured with ``dynamo_graph_capture_for_export`` followed by
-``aot_export_joint_with_descriptors`` (see shared/NOTES-torch.md). The joint
+training step is captured with ``aot_export_joint_with_descriptors`` on the
+module itself (see shared/NOTES-torch.md), module paths being recorded through
+forward hooks (:func:`module_path_annotations`). The joint
 graph holds aten ops only; AOT descriptors identify parameters, buffers,
 plain inputs, tangents, the loss output and gradient outputs.
 
@@ -39,7 +40,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pyarrow as pa
 
@@ -142,16 +143,55 @@ def _target_name(node: Any) -> str:
     return name if name.startswith("aten.") else f"{getattr(t, '__module__', '')}.{t}"
 
 
+@contextlib.contextmanager
+def module_path_annotations(model: Any) -> Iterator[None]:
+    """Tag every traced node with the path of the innermost module running it.
+
+    Forward pre/post hooks enter and leave ``torch.fx.traceback.annotate(
+    {"module_path": name})``; under ``preserve_node_meta`` the tracer stores the
+    annotation in ``node.meta["custom"]`` and AOT autograd copies it to the
+    backward nodes of the same op. The hooks are removed on exit.
+    """
+    import functools
+
+    import torch.fx.traceback as fxt
+
+    open_annotations: list[Any] = []
+
+    def enter(_mod: Any, _args: Any, name: str = "") -> None:
+        cm = fxt.annotate({"module_path": name})
+        cm.__enter__()
+        open_annotations.append(cm)
+
+    def leave(_mod: Any, _args: Any, _out: Any, name: str = "") -> None:
+        open_annotations.pop().__exit__(None, None, None)
+
+    handles = []
+    for name, mod in model.named_modules():
+        if name:
+            handles.append(mod.register_forward_pre_hook(functools.partial(enter, name=name)))
+            handles.append(mod.register_forward_hook(functools.partial(leave, name=name)))
+    try:
+        with fxt.preserve_node_meta():
+            yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def capture_joint_graph(model: Any, inputs: tuple, stack: contextlib.ExitStack) -> Any:
     """Capture the joint forward+backward FX graph of ``model(*inputs)`` (a scalar loss).
 
-    Returns the ``torch.fx.GraphModule`` of the joint graph; valid while ``stack`` is open.
+    ``aot_export_joint_with_descriptors`` traces the module directly (make_fx under
+    a fake mode; no Dynamo graph capture, which took 2.5x longer for the same
+    aten graph) with module paths recorded by :func:`module_path_annotations`.
+    Returns the ``torch.fx.GraphModule`` of the joint graph; valid while ``stack``
+    is open.
     """
-    from torch._dynamo.functional_export import dynamo_graph_capture_for_export
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
-    gm = dynamo_graph_capture_for_export(model)(*inputs)
-    joint = aot_export_joint_with_descriptors(stack, gm, inputs)
+    with module_path_annotations(model):
+        joint = aot_export_joint_with_descriptors(stack, model, inputs)
     return joint.graph_module
 
 
@@ -189,8 +229,14 @@ def graph_to_table(graph_module: Any) -> pa.Table:
                 else:
                     descs.append({"kind": "none", "grad_of": None})
             output_desc = json.dumps(descs)
+        custom = n.meta.get("custom") or {}
         stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack")
-        mpath = _module_path(stack) if n.op == "call_function" else (fqn or "")
+        if n.op != "call_function":
+            mpath = fqn or ""
+        elif custom.get("module_path"):
+            mpath = str(custom["module_path"])
+        else:
+            mpath = _module_path(stack)
         phase = "bwd" if n.meta.get("partitioner_tag") == "is_backward" else "fwd"
         if n.op == "placeholder":
             phase = "bwd" if role == "tangent" else "fwd"
