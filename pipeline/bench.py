@@ -51,7 +51,9 @@ case are kept in ``<out>/logs/<suite>/<NN>-<case>.{stdout,stderr}.log``.
 
 A case that exits non-zero (or is killed by ``--timeout``) gets a row with status
 ``Error`` and the last line of its stderr; the runner goes on with the next case and
-exits with 1 at the end. A bad ``--suite`` or ``--only`` prints one line and exits 2.
+exits with 1 at the end. Ctrl-C or SIGTERM kills the running case (it runs in its own
+process group), records it as ``Error`` (interrupted), keeps the tables and exits with
+130 / 143. A bad ``--suite`` or ``--only`` prints one line and exits 2.
 Progress: one line per case on stderr.
 """
 
@@ -522,7 +524,17 @@ def run_suite(suite: Suite, selected: list[tuple[int, Case]], out: Path, fresh: 
             results_dir.mkdir(parents=True)
         else:
             results_dir = shared
-        row = run_case(case, index, results_dir, out / "logs" / suite.name, timeout)
+        try:
+            row = run_case(case, index, results_dir, out / "logs" / suite.name, timeout)
+        except (KeyboardInterrupt, SystemExit):  # the case's process group is killed
+            row = _empty_row()
+            row.update(case_index=index, case=case.label, status="Error",
+                       error="interrupted (the runner was stopped)")
+            rows.append(row)
+            print("interrupted", file=sys.stderr, flush=True)
+            meta["finished"], meta["load_end"] = _now(), _load_1m()
+            _write_outputs(out, suite, rows, meta)
+            raise
         failed += row["status"] == "Error"
         rows.append(row)
         print(_progress(k, n, row), file=sys.stderr, flush=True)
@@ -586,7 +598,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         return _dry_run(suite, selected, out.resolve(), args.fresh)
     command = shlex.join(["python", "-m", "pipeline.bench", *argv])
-    return run_suite(suite, selected, out, args.fresh, args.timeout, command)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        return run_suite(suite, selected, out, args.fresh, args.timeout, command)
+    except KeyboardInterrupt:
+        return 130
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM (e.g. from Snakemake or a batch system) stops the runner like Ctrl-C: the
+    running case, which is in its own process group, is killed and the tables are kept."""
+    raise SystemExit(128 + signum)
 
 
 def _dry_run(suite: Suite, selected: list[tuple[int, Case]], out: Path, fresh: bool) -> int:

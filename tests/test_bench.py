@@ -145,3 +145,15 @@ def test_failing_cases_are_recorded_and_the_suite_goes_on(tmp_path, monkeypatch,
     assert "| Error |" in md and "mesh=0: allowed" in md
     err = capsys.readouterr().err
     assert err.count("Error (") == 2
+
+
+def test_timeout_kills_the_case_and_records_it(tmp_path, monkeypatch):
+    slow = bench.Suite("slow", "one case longer than the timeout",
+                       (bench.Case(("model=toy", "mesh=8")),))
+    monkeypatch.setitem(bench.SUITES, "slow", slow)
+    out = tmp_path / "b"
+    assert bench.main(["--suite", "slow", "--out", str(out), "--timeout", "1"]) == 1
+    (row,) = pq.read_table(out / "slow.parquet").to_pylist()
+    assert row["status"] == "Error" and row["error"].startswith("timeout after 1 s")
+    assert row["exit_code"] == -9 and row["wall"] < 30
+    assert row["model"] == "toy"  # the config resolves; the run record is never read
