@@ -175,29 +175,44 @@ class CostModel:
             return np.zeros(len(outs))
         in_metas, out_metas = self.in_metas[node], self.out_metas[node]
         args, kwargs = json.loads(self.args[node]), json.loads(self.kwargs[node])
+        n_args = len(_refs_in(args))
         dtype = next((m["dtype"] for m in out_metas if m), in_metas[0]["dtype"] if in_metas
                      else "float32")
+        in_size = [itemsize(m["dtype"]) for m in in_metas]
+        out_size = [itemsize(m["dtype"]) if m is not None else 0 for m in out_metas]
+        # Local shapes depend only on (tensor, placement text): cache them per argument,
+        # and memoise the roofline by the tuple of local shapes (far fewer than strategies).
+        in_local: list[dict[str, tuple]] = [{} for _ in in_metas]
+        out_local: dict[str, tuple] = {}
         memo: dict[tuple, float] = {}
         costs = np.empty(len(outs))
         for k, (o, i) in enumerate(zip(outs, ins)):
-            key = (o, tuple(i))
-            if key not in memo:
-                in_pl = [parse_placements(t, self.ndim) for t in i]
+            loc_in = []
+            for a, text in enumerate(i):
+                sh = in_local[a].get(text)
+                if sh is None:
+                    sh = in_local[a][text] = local_shape(
+                        in_metas[a]["shape"], parse_placements(text, self.ndim), self.mesh_shape)
+                loc_in.append(sh)
+            loc_out = out_local.get(o)
+            if loc_out is None:
                 out_pl = parse_output(o, self.ndim) if o.startswith("(") else [
                     parse_placements(o, self.ndim)]
-                loc_in = [local_shape(m["shape"], p, self.mesh_shape)
-                          for m, p in zip(in_metas, in_pl)]
-                loc_out = [None if (m is None or p is None) else
-                           local_shape(m["shape"], p, self.mesh_shape)
-                           for m, p in zip(out_metas, out_pl)]
-                nbytes = sum(_numel(sh) * itemsize(m["dtype"]) for sh, m in zip(loc_in, in_metas))
-                nbytes += sum(_numel(sh) * itemsize(m["dtype"])
-                              for sh, m in zip(loc_out, out_metas) if sh is not None)
+                loc_out = out_local[o] = tuple(
+                    None if (m is None or p is None) else local_shape(m["shape"], p,
+                                                                      self.mesh_shape)
+                    for m, p in zip(out_metas, out_pl))
+            key = (tuple(loc_in), loc_out)
+            cost = memo.get(key)
+            if cost is None:
+                nbytes = sum(_numel(sh) * b for sh, b in zip(loc_in, in_size))
+                nbytes += sum(_numel(sh) * b for sh, b in zip(loc_out, out_size)
+                              if sh is not None)
                 flops = op_flops(target, _with_shapes(args, loc_in),
-                                 _with_shapes(kwargs, loc_in, len(_refs_in(args))),
-                                 tuple(loc_out) if len(loc_out) > 1 else loc_out[0])
-                memo[key] = float(roofline_us(flops, nbytes, dtype, self.hw, False))
-            costs[k] = memo[key]
+                                 _with_shapes(kwargs, loc_in, n_args),
+                                 loc_out if len(loc_out) > 1 else loc_out[0])
+                cost = memo[key] = float(roofline_us(flops, nbytes, dtype, self.hw, False))
+            costs[k] = cost
         return costs
 
     # -- pairwise ---------------------------------------------------------------------------
