@@ -1,0 +1,1065 @@
+"""End-to-end tests of ``python -m pipeline`` on the toy model.
+
+What is checked, each with values computed here, independently of the solver's own
+bookkeeping (``solution.parquet``'s cost columns, ``CostModel``, ``node_costs``):
+
+1. lazy and eager costs give the same objective and placement hash at meshes 8, 2x4
+   and 2x4x8, and lazy materialises fewer factors;
+2. an evaluator written in this file recomputes E(x) = sum of compute + sum over graph
+   edges of (redistribution + transition) from ``solution.parquet`` and the topology
+   artifacts, and matches ``run.json`` (objective and its three parts);
+3. the plan is valid: DTensor's own sharding propagation accepts every chosen
+   (output, inputs) strategy, ties and constraints hold, no chosen edge is forbidden;
+4. repeated layers: all 16 layers of llama1b form one class; a layer of another FFN
+   width is not tied to the others;
+5. the placement hash does not depend on ``PYTHONHASHSEED``;
+6. ``report/runs.parquet`` and ``report/placements.parquet`` have one row per run and
+   per (run, node), with the DESIGN.md fields;
+7. the approx path never imports PuLP (lazy or eager).
+
+Every pipeline run is a subprocess started once per session by the ``jobs`` fixture,
+two at a time, longest first, so the whole file takes a few minutes on 2 cores;
+only the jobs the selected tests need are started. The 2x4x8 cases are listed in
+:data:`MESHES_2X4X8` (about one minute per cost mode).
+
+Known bugs are xfailed with their reason: ``run.json`` has no ``report`` phase; and
+while ``pipeline.costs.load_factors`` keeps a full copy of the archive per factor
+(:data:`LOAD_FACTORS_COPIES_ARCHIVE`, probed on a small synthetic MRF) the eager 2x4x8
+run is not started (it is OOM-killed) and the checks that need it are xfailed; they
+run by themselves once the loader is fixed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Meshes of the lazy/eager and evaluator checks.
+MESHES: list[str] = ["8", "2x4"]
+#: The 3-d mesh cases (slow: about a minute per cost mode); empty this list (or set
+#: PIPELINE_TEST_NO_2X4X8=1) to leave them out.
+MESHES_2X4X8: list[str] = [] if os.environ.get("PIPELINE_TEST_NO_2X4X8") else ["2x4x8"]
+ALL_MESHES: list[str] = MESHES + MESHES_2X4X8
+MODES: tuple[str, ...] = ("lazy", "eager")
+
+#: Concurrent pipeline subprocesses (the machine has 2 cores).
+WORKERS = int(os.environ.get("PIPELINE_TEST_WORKERS", "2"))
+#: Safety net per subprocess, seconds.
+JOB_TIMEOUT = float(os.environ.get("PIPELINE_TEST_JOB_TIMEOUT", "1200"))
+#: PYTHONHASHSEED of the shared runs; the hash-seed test reruns 2x4 with another seed.
+SEED_MAIN, SEED_OTHER = "1", "2"
+
+REL = 1e-9
+
+
+def _retained_bytes(arrays: list) -> int:
+    """Bytes of the distinct base buffers that ``arrays`` (numpy views) keep alive."""
+    roots: dict[int, Any] = {}
+    for a in arrays:
+        while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+            a = a.base
+        roots[id(a)] = a
+    return sum(a.nbytes for a in roots.values())
+
+
+def load_factors_overhead(path: Path) -> float:
+    """Bytes kept alive by ``pipeline.costs.load_factors(path)`` over the bytes of the
+    factors themselves (1.0 when every array of the archive is held once)."""
+    from pipeline.costs import load_factors
+
+    mrf = load_factors(path)
+    arrays = list(mrf.unary)
+    for e in range(mrf.num_edges):
+        f = mrf.factor(e)
+        arrays += [f.row_cls, f.col_cls, f.table]
+    own = sum(a.nbytes for a in arrays)
+    return _retained_bytes(arrays) / max(own, 1)
+
+
+def _probe_load_factors() -> float:
+    """``load_factors_overhead`` of a small synthetic chain MRF (30 factors)."""
+    import tempfile
+
+    import numpy as np
+
+    from pipeline.costs import save_factors
+    from pipeline.solvers.mrf import MRF, PairwiseFactor
+
+    rng = np.random.default_rng(0)
+    k, groups = 20, 31
+    factors = [PairwiseFactor(np.arange(k, dtype=np.int32), np.arange(k, dtype=np.int32),
+                              rng.random((k, k))) for _ in range(groups - 1)]
+    mrf = MRF(domain_sizes=np.full(groups, k, dtype=np.int64),
+              unary=[rng.random(k) for _ in range(groups)],
+              edges=np.array([(g, g + 1) for g in range(groups - 1)], dtype=np.int64),
+              factor=factors.__getitem__)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "factors.npz"
+        save_factors(path, mrf, factors)
+        return load_factors_overhead(path)
+
+
+#: pipeline.costs.load_factors indexes the lazy ``np.load`` archive inside its loop, so
+#: every factor holds a fresh copy of the whole ``table`` array: the eager 2x4x8 solve
+#: then needs ~35 GB (OOM). While this holds, the eager 2x4x8 run is not started and
+#: the checks that need it are xfailed.
+try:
+    LOAD_FACTORS_COPIES_ARCHIVE = _probe_load_factors() > 2.0
+except Exception:  # noqa: BLE001 - the probe must not break collection; the tests will
+    LOAD_FACTORS_COPIES_ARCHIVE = False
+LOAD_FACTORS_REASON = ("pipeline.costs.load_factors re-reads whole arrays of factors.npz "
+                       "for every factor (z['table'] inside the loop), so the eager 2x4x8 "
+                       "solve needs tens of GB and is OOM-killed")
+
+
+def needs_eager_factors(mesh: str) -> list:
+    """Marks for a check that needs the eager run at ``mesh``."""
+    if LOAD_FACTORS_COPIES_ARCHIVE and mesh in MESHES_2X4X8:
+        return [pytest.mark.xfail(reason=LOAD_FACTORS_REASON, run=False)]
+    return []
+
+
+def run_key(mesh: str, mode: str) -> str:
+    return f"toy-{mesh}-{mode}"
+
+
+def toy_overrides(mesh: str, mode: str) -> list[str]:
+    return ["model=toy", f"mesh={mesh}", f"lazy_costs={'true' if mode == 'lazy' else 'false'}"]
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+_NO_PULP_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pipeline.config import load_resolved
+    from pipeline.__main__ import run_pipeline
+    results_dir = sys.argv[1]
+    seen = {}
+    for lazy in ("true", "false"):
+        run_pipeline(load_resolved(["model=toy", "mesh=2x4", f"lazy_costs={lazy}",
+                                    f"results_dir={results_dir}"]))
+        seen[lazy] = sorted(m for m in sys.modules if m == "pulp" or m.startswith("pulp."))
+    print("PULP_MODULES " + json.dumps(seen))
+""")
+
+_REPEATED_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pipeline.config import load_resolved, stage_dirs
+    from pipeline.cli import run_stage
+    results_dir = sys.argv[1]
+    cases = {
+        "llama1b": ["model=llama1b", "mesh=8"],
+        "toy3": ["model=toy", "model.n_layers=3", "model.ffn_hidden_overrides={1:512}",
+                 "mesh=2x4"],
+    }
+    out = {}
+    for name, overrides in cases.items():
+        cfg = load_resolved(overrides + [f"results_dir={results_dir}"])
+        dirs = stage_dirs(cfg)
+        run_stage("trace", cfg, dirs)
+        run_stage("topology", cfg, dirs)
+        out[name] = str(dirs.topology)
+    print("TOPOLOGY_DIRS " + json.dumps(out))
+""")
+
+
+@dataclass
+class JobSpec:
+    key: str
+    argv: list[str]
+    seed: str
+    cost: float  # rough seconds, for scheduling longest first
+
+
+@dataclass
+class JobResult:
+    key: str
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def tagged(self, tag: str) -> Any:
+        """The JSON printed after ``tag`` on stdout."""
+        for line in self.stdout.splitlines():
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        raise AssertionError(f"job {self.key}: no '{tag}' line on stdout:\n{self.stdout[-2000:]}")
+
+
+class Jobs:
+    """Pipeline subprocesses of the session, run ``WORKERS`` at a time."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.main_dir = base / "main"  # the shared toy runs (and their report)
+        self.pool = ThreadPoolExecutor(max_workers=WORKERS)
+        self.futures: dict[str, Future] = {}
+        self.procs: list[subprocess.Popen] = []
+        self.specs = self._specs()
+
+    def _specs(self) -> dict[str, JobSpec]:
+        py = sys.executable
+        specs = {}
+        cost = {"8": 12.0, "2x4": 25.0}
+        for mesh in ALL_MESHES:
+            for mode in MODES:
+                key = run_key(mesh, mode)
+                specs[key] = JobSpec(key, [py, "-m", "pipeline", *toy_overrides(mesh, mode),
+                                           f"results_dir={self.main_dir}"], SEED_MAIN,
+                                     cost.get(mesh, 90.0))
+        specs["hashseed"] = JobSpec("hashseed", [
+            py, "-m", "pipeline", *toy_overrides("2x4", "lazy"),
+            f"results_dir={self.base / 'hashseed'}"], SEED_OTHER, 30.0)
+        specs["nopulp"] = JobSpec("nopulp", [py, "-c", _NO_PULP_SCRIPT,
+                                             str(self.base / "nopulp")], SEED_MAIN, 35.0)
+        specs["repeated"] = JobSpec("repeated", [py, "-c", _REPEATED_SCRIPT,
+                                                 str(self.base / "repeated")], SEED_MAIN, 40.0)
+        return specs
+
+    def submit(self, keys: list[str]) -> None:
+        for key in sorted(set(keys), key=lambda k: -self.specs[k].cost):
+            if key not in self.futures:
+                self.futures[key] = self.pool.submit(self._run, self.specs[key])
+
+    def result(self, key: str) -> JobResult:
+        self.submit([key])
+        return self.futures[key].result()
+
+    def _run(self, spec: JobSpec) -> JobResult:
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, PYTHONHASHSEED=spec.seed, PYTHONPATH=path)
+        start = time.perf_counter()
+        proc = subprocess.Popen(spec.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        self.procs.append(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=JOB_TIMEOUT)
+        except subprocess.TimeoutExpired as err:
+            proc.kill()
+            proc.communicate()
+            raise AssertionError(f"job {spec.key} timed out after {JOB_TIMEOUT:.0f} s: "
+                                 f"{' '.join(spec.argv[:6])}") from err
+        seconds = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise AssertionError(
+                f"job {spec.key} failed (exit {proc.returncode}) after {seconds:.0f} s: "
+                f"{' '.join(spec.argv[:8])}\n--- stderr (tail) ---\n{stderr[-4000:]}")
+        return JobResult(spec.key, stdout, stderr, seconds)
+
+    def close(self) -> None:
+        """Drop the jobs not started; stop the ones still running (a test failed early)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        self.pool.shutdown(wait=True)
+
+
+def _runnable_runs() -> list[tuple[str, str]]:
+    """(mesh, mode) of the toy runs this session makes."""
+    return [(m, md) for m in ALL_MESHES for md in MODES
+            if not (md == "eager" and needs_eager_factors(m))]
+
+
+def _jobs_of_item(item: Any) -> list[str]:
+    """Job keys a collected test needs (see each test's parameters)."""
+    xfail = item.get_closest_marker("xfail")
+    if xfail is not None and xfail.kwargs.get("run", True) is False:
+        return []
+    name = getattr(item, "originalname", item.name).replace("test_3d_", "test_")
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    mesh = params.get("mesh")
+    mode = params.get("mode")
+    if name in ("test_lazy_and_eager_agree",):
+        return [run_key(mesh, m) for m in MODES]
+    if name in ("test_independent_evaluator_matches_run_record",):
+        return [run_key(mesh, mode)]
+    if name in ("test_plan_accepted_by_dtensor", "test_plan_ties_and_constraints"):
+        return [run_key(mesh, "lazy")]
+    if name == "test_enumerated_strategies_sample_accepted_by_dtensor":
+        return [run_key("2x4", "lazy")]
+    if name == "test_eager_factors_load_once":
+        return [run_key("2x4", "eager")]
+    if name == "test_placement_hash_independent_of_hash_seed":
+        return ["hashseed", run_key("2x4", "lazy")]
+    if name.startswith("test_report_"):
+        return [run_key(m, md) for m, md in _runnable_runs()]
+    if name == "test_approx_path_never_imports_pulp":
+        return ["nopulp"]
+    if name.startswith("test_repeated_"):
+        return ["repeated"]
+    return []
+
+
+@pytest.fixture(scope="session")
+def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Starts every pipeline subprocess the selected tests need, longest first."""
+    j = Jobs(tmp_path_factory.mktemp("pipeline"))
+    needed = [k for item in request.session.items if item.module is sys.modules[__name__]
+              for k in _jobs_of_item(item)]
+    j.submit(needed)
+    yield j
+    j.close()
+
+
+@dataclass
+class Run:
+    """One toy run: its resolved config, directories, record and plan."""
+
+    mesh: str
+    mode: str
+    cfg: Any
+    dirs: Any
+    record: dict
+    plan: list[dict]  # solution.parquet rows, indexed by node id
+    seconds: float
+
+
+_RUNS: dict[str, Run] = {}
+
+
+def get_run(jobs: Jobs, mesh: str, mode: str) -> Run:
+    key = run_key(mesh, mode)
+    if key not in _RUNS:
+        from pipeline.config import load_resolved, stage_dirs
+
+        res = jobs.result(key)
+        cfg = load_resolved(toy_overrides(mesh, mode) + [f"results_dir={jobs.main_dir}"])
+        dirs = stage_dirs(cfg)
+        record = json.loads((dirs.solve / "run.json").read_text())
+        rows = pq.read_table(dirs.solve / "solution.parquet").to_pylist()
+        rows.sort(key=lambda r: r["node"])
+        assert [r["node"] for r in rows] == list(range(len(rows)))
+        _RUNS[key] = Run(mesh, mode, cfg, dirs, record, rows, res.seconds)
+    return _RUNS[key]
+
+
+_TOPOLOGIES: dict[str, Any] = {}
+
+
+def topology_of(run: Run) -> Any:
+    from pipeline.topology import read_topology
+
+    key = str(run.dirs.topology)
+    if key not in _TOPOLOGIES:
+        _TOPOLOGIES[key] = read_topology(run.dirs.topology)
+    return _TOPOLOGIES[key]
+
+
+def rel_close(a: float, b: float, rel: float = REL) -> bool:
+    return a == b or abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+# --------------------------------------------------------------------------- evaluator
+
+
+def _elements(text: str) -> list[str]:
+    """``(A|B|-)`` -> ``["A", "B", "-"]``; a plain placement -> ``[text]``."""
+    return text[1:-1].split("|") if text.startswith("(") else [text]
+
+
+def _local_shape(shape: list[int], placements: tuple, mesh: tuple[int, ...]) -> tuple:
+    """Shape on one device: every sharded dim divided (rounded up) by its shard count."""
+    out = list(shape)
+    for mdim, p in enumerate(placements):
+        if p.is_shard():
+            d = p.dim % len(shape)
+            out[d] = -(-out[d] // mesh[mdim])
+    return tuple(out)
+
+
+def _with_local_shapes(obj: Any, shapes: list, counter: list[int]) -> Any:
+    """Replace tensor references (``{"node": i}``) by local shapes, in flattened order."""
+    if isinstance(obj, dict) and set(obj) == {"node"}:
+        shape = shapes[counter[0]]
+        counter[0] += 1
+        return shape
+    if isinstance(obj, list):
+        return [_with_local_shapes(v, shapes, counter) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _with_local_shapes(v, shapes, counter) for k, v in obj.items()}
+    return obj
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return getattr(torch, dtype).itemsize
+
+
+@dataclass
+class Evaluation:
+    compute: list[float]  # per node
+    edge_comm: list[float]  # per graph edge
+    edge_transition: list[float]  # per graph edge
+    edge_text: list[tuple[str, str]]  # per graph edge: (src, dst) placement text
+
+    @property
+    def compute_us(self) -> float:
+        return math.fsum(self.compute)
+
+    @property
+    def comm_us(self) -> float:
+        return math.fsum(self.edge_comm)
+
+    @property
+    def transition_us(self) -> float:
+        return math.fsum(self.edge_transition)
+
+    @property
+    def objective(self) -> float:
+        return self.compute_us + self.comm_us + self.transition_us
+
+
+def evaluate_plan(plan: list[dict], tt: Any, mesh: tuple[int, ...], hw: Any) -> Evaluation:
+    """E(x) of a plan, from its placements and the topology's shapes only (DESIGN.md).
+
+    Compute: roofline on the local shapes (inputs read + outputs written), 0 for
+    placeholders, getitem, sinks and views. Edges: redistribution of the producer's
+    output (its element for a tuple output; ``-`` is Replicate) into the consumer's
+    expected placement of that argument, plus 1.0 when the two differ.
+    """
+    from pipeline.costmodel.compute import is_view_op, op_flops, roofline_us
+    from pipeline.costmodel.redistribute import redistribute_us
+    from pipeline.placements import parse_placements
+
+    nd = len(mesh)
+    nodes = tt.nodes
+    compute = []
+    for v, row in enumerate(plan):
+        op = row["op"]
+        if op in ("placeholder", "getitem", "output") or is_view_op(op):
+            compute.append(0.0)
+            continue
+        in_metas = json.loads(nodes["in_metas"][v])
+        out_metas = json.loads(nodes["out_metas"][v])
+        in_pl = [parse_placements(t, nd) for t in row["input_placements"]]
+        assert len(in_pl) == len(in_metas), row["name"]
+        out_pl = [None if t == "-" else parse_placements(t, nd)
+                  for t in _elements(row["output_placement"])]
+        assert len(out_pl) == len(out_metas), row["name"]
+        loc_in = [_local_shape(m["shape"], p, mesh) for m, p in zip(in_metas, in_pl)]
+        loc_out = [None if m is None or p is None else _local_shape(m["shape"], p, mesh)
+                   for m, p in zip(out_metas, out_pl)]
+        nbytes = sum(math.prod(s) * _itemsize(m["dtype"]) for s, m in zip(loc_in, in_metas))
+        nbytes += sum(math.prod(s) * _itemsize(m["dtype"])
+                      for s, m in zip(loc_out, out_metas) if s is not None)
+        counter = [0]
+        args = _with_local_shapes(json.loads(nodes["args"][v]), loc_in, counter)
+        kwargs = _with_local_shapes(json.loads(nodes["kwargs"][v]), loc_in, counter)
+        assert counter[0] == len(loc_in), row["name"]
+        flops = op_flops(op, args, kwargs, tuple(loc_out) if len(loc_out) > 1 else loc_out[0])
+        dtype = next((m["dtype"] for m in out_metas if m), None) or in_metas[0]["dtype"]
+        compute.append(float(roofline_us(flops, nbytes, dtype, hw, False)))
+
+    comm, trans, texts = [], [], []
+    e = tt.edges
+    for u, element, v, a in zip(e["producer"], e["element"], e["consumer"], e["arg"]):
+        src = plan[u]["output_placement"]
+        if src.startswith("("):
+            assert element >= 0, (plan[u]["name"], plan[v]["name"])
+            src = _elements(src)[element]
+            if src == "-":
+                src = "R" * nd
+        dst = plan[v]["input_placements"][a]
+        meta = json.loads(nodes["in_metas"][v])[a]
+        comm.append(float(redistribute_us(meta["shape"], _itemsize(meta["dtype"]),
+                                          parse_placements(src, nd), parse_placements(dst, nd),
+                                          mesh, hw)))
+        trans.append(1.0 if src != dst else 0.0)
+        texts.append((src, dst))
+    return Evaluation(compute, comm, trans, texts)
+
+
+_EVALS: dict[str, Evaluation] = {}
+
+
+def evaluation_of(run: Run) -> Evaluation:
+    key = run_key(run.mesh, run.mode)
+    if key not in _EVALS:
+        mesh = tuple(int(m) for m in run.cfg.mesh)
+        _EVALS[key] = evaluate_plan(run.plan, topology_of(run), mesh, run.cfg.hardware)
+    return _EVALS[key]
+
+
+# --------------------------------------------------------------------------- 1. lazy/eager
+
+
+@pytest.mark.parametrize("mesh", MESHES)
+def test_lazy_and_eager_agree(jobs: Jobs, mesh: str) -> None:
+    check_lazy_and_eager_agree(jobs, mesh)
+
+
+def check_lazy_and_eager_agree(jobs: Jobs, mesh: str) -> None:
+    lazy, eager = get_run(jobs, mesh, "lazy"), get_run(jobs, mesh, "eager")
+    lr, er = lazy.record, eager.record
+    assert (lr["cost_mode"], er["cost_mode"]) == ("lazy", "eager")
+    assert rel_close(lr["objective"], er["objective"]), (lr["objective"], er["objective"])
+    assert lr["placement_hash"] == er["placement_hash"]
+    assert [(r["output_placement"], r["input_placements"]) for r in lazy.plan] == \
+        [(r["output_placement"], r["input_placements"]) for r in eager.plan]
+    lt = lr["counts"]["factors_materialised"]["total"]
+    et = er["counts"]["factors_materialised"]["total"]
+    assert 0 < lt < et, f"lazy materialised {lt} factors, eager {et}"
+    for rec in (lr, er):
+        assert math.isfinite(rec["objective"])
+        assert rec["lower_bound"] <= rec["objective"] * (1 + REL) + 1e-9
+        assert rec["status"] in ("Optimal", "Heuristic")
+
+
+# --------------------------------------------------------------------------- 2. evaluator
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mesh", MESHES)
+def test_independent_evaluator_matches_run_record(jobs: Jobs, mesh: str, mode: str) -> None:
+    check_independent_evaluator(jobs, mesh, mode)
+
+
+def check_independent_evaluator(jobs: Jobs, mesh: str, mode: str) -> None:
+    run = get_run(jobs, mesh, mode)
+    tt = topology_of(run)
+    assert len(run.plan) == len(tt.nodes["id"]) == run.record["counts"]["nodes"]
+    assert len(tt.edges["producer"]) == run.record["counts"]["edges"]
+    ev = evaluation_of(run)
+    rec = run.record
+    got = {"objective": ev.objective, "compute_us": ev.compute_us, "comm_us": ev.comm_us,
+           "transition_us": ev.transition_us}
+    bad = {k: (v, rec[k]) for k, v in got.items() if not rel_close(v, rec[k])}
+    if bad:
+        # locate the nodes whose parts differ from the solver's own per-node columns
+        comm_in, trans_in = defaultdict(float), defaultdict(float)
+        for v, c, t in zip(tt.edges["consumer"], ev.edge_comm, ev.edge_transition):
+            comm_in[v] += c
+            trans_in[v] += t
+        diffs = [(r["name"], r["op"], (r["compute_us"], ev.compute[v]),
+                  (r["comm_us"], comm_in[v]), (r["transition_us"], trans_in[v]))
+                 for v, r in enumerate(run.plan)
+                 if not (rel_close(r["compute_us"], ev.compute[v])
+                         and rel_close(r["comm_us"], comm_in[v], 1e-6)
+                         and r["transition_us"] == trans_in[v])]
+        pytest.fail(f"(mine, run.json): {bad}; first differing nodes "
+                    f"(name, op, (solver, mine) compute/comm/transition): {diffs[:10]}")
+
+
+# --------------------------------------------------------------------------- 3. validity
+
+
+def _decode(obj: Any) -> Any:
+    """A non-tensor argument of the graph IR back to its Python / torch value."""
+    import torch
+
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if isinstance(obj, dict):
+        if set(obj) == {"dtype"}:
+            return getattr(torch, obj["dtype"])
+        if set(obj) == {"enum"}:
+            text = obj["enum"]
+            return getattr(torch, text.split(".", 1)[1]) if text.startswith("torch.") \
+                else torch.device(text)
+        if set(obj) == {"float"}:
+            return float(obj["float"])
+        if set(obj) == {"repr"}:
+            raise _NotApplicable(f"argument {obj['repr']} not decodable")
+        return {k: _decode(v) for k, v in obj.items()}
+    return obj
+
+
+class _NotApplicable(Exception):
+    pass
+
+
+def _fmt_spec(spec: Any) -> str:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    from pipeline.placements import format_placements
+
+    if spec is None:
+        return "-"
+    if isinstance(spec, DTensorSpec):
+        return format_placements(spec.placements)
+    return "(" + "|".join(_fmt_spec(s) for s in spec) + ")"
+
+
+class DTensorChecker:
+    """Asks DTensor whether a (output, inputs) strategy of a node is one it accepts."""
+
+    def __init__(self, tt: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        from pipeline.topology import device_mesh
+        from pipeline.trace import fake_process_group
+
+        self.tt = tt
+        self.mesh_shape = tuple(int(m) for m in tt.summary["mesh"])
+        fake_process_group(math.prod(self.mesh_shape))
+        self.mesh = device_mesh(self.mesh_shape, tuple(tt.summary["mesh_names"]))
+        self.prop = DTensor._op_dispatcher.sharding_propagator
+
+    def schema(self, node: int, inputs: list[str]) -> Any:
+        import torch
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+        from torch.distributed.tensor._op_schema import OpSchema
+
+        from pipeline.placements import parse_placements
+
+        n = self.tt.nodes
+        pkt, overload = n["target"][node].split(".")[1:]
+        op = getattr(getattr(torch.ops.aten, pkt), overload)
+        metas = json.loads(n["in_metas"][node])
+        counter = [0]
+
+        def build(obj: Any) -> Any:
+            if isinstance(obj, dict) and set(obj) == {"node"}:
+                k = counter[0]
+                counter[0] += 1
+                m = metas[k]
+                tm = TensorMeta(torch.Size(m["shape"]), tuple(m["stride"]),
+                                getattr(torch, m["dtype"]))
+                return DTensorSpec(self.mesh, parse_placements(inputs[k], len(self.mesh_shape)),
+                                   tensor_meta=tm)
+            if isinstance(obj, list):
+                return [build(v) for v in obj]
+            if isinstance(obj, dict) and not set(obj) & {"dtype", "enum", "float", "repr"}:
+                return {k: build(v) for k, v in obj.items()}
+            return _decode(obj)
+
+        args = tuple(build(a) for a in json.loads(n["args"][node]))
+        kwargs = {k: build(v) for k, v in json.loads(n["kwargs"][node]).items()}
+        assert counter[0] == len(inputs), n["name"][node]
+        return OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
+
+    def check(self, node: int, output: str, inputs: list[str]) -> tuple[str, str]:
+        """``("ok" | "ok-strategy-fn" | "bad" | "skip", detail)``.
+
+        First DTensor's dispatch path: ``propagate_op_sharding`` with the inputs as given
+        must need no input redistribution and give ``output``. If it prefers another
+        strategy, the op's strategy function (what propagation chooses from) must
+        list an OpSpec with exactly these inputs and this output (compared as text:
+        ``_MaskPartial`` objects compare by mask buffer identity).
+        """
+        if self.tt.nodes["fallback"][node]:
+            return "skip", "no DTensor strategy (replicate-only fallback)"
+        try:
+            schema = self.schema(node, inputs)
+        except _NotApplicable as err:
+            return "skip", str(err)
+        try:
+            out = self.prop.propagate_op_sharding(schema)
+        except NotImplementedError as err:
+            return "skip", f"no sharding strategy registered: {str(err)[:120]}"
+        except Exception as err:  # noqa: BLE001 - DTensor rejects the inputs by raising
+            return "bad", f"propagation raised {type(err).__name__}: {str(err)[:200]}"
+        given = [_fmt_spec(s) for s in schema.args_spec]
+        rs = out.redistribute_schema
+        wanted = [_fmt_spec(s) for s in rs.args_spec] if rs is not None else given
+        got = _fmt_spec(out.output_spec)
+        if got == output and wanted == given:
+            return "ok", ""
+        found, detail = self._in_strategy_fn(schema, output, given)
+        if found:
+            return "ok-strategy-fn", f"propagation prefers {got} <- {wanted}"
+        return "bad", (f"propagation gives {got} and wants inputs {wanted}; strategy "
+                       f"function: {detail}")
+
+    def _in_strategy_fn(self, schema: Any, output: str, inputs: list[str]) -> tuple[bool, str]:
+        from torch.distributed.tensor._op_schema import OpStrategy
+        from torch.distributed.tensor._ops.single_dim_strategy import (
+            _expand_single_dim_strategy_to_mesh,
+        )
+
+        op = schema.op
+        strategy_schema = self.prop._wrap_with_op_strategy(schema)
+        try:
+            if op in self.prop.op_single_dim_strategy_funcs:
+                out_meta = self.prop._propagate_tensor_meta_non_cached(schema)
+                fn = _expand_single_dim_strategy_to_mesh(
+                    self.mesh, strategy_schema, self.prop.op_single_dim_strategy_funcs[op],
+                    out_meta)
+                strategy = fn(op, strategy_schema.args_meta, strategy_schema.kwargs_meta)
+            elif op in self.prop.op_strategy_funcs:
+                strategy = self.prop.op_strategy_funcs[op](strategy_schema)
+            else:
+                return False, "none registered"
+        except Exception as err:  # noqa: BLE001
+            return False, f"raised {type(err).__name__}: {str(err)[:200]}"
+        if not isinstance(strategy, OpStrategy):
+            return False, f"returned {type(strategy).__name__}"
+        listed = []
+        for spec in strategy.strategies:
+            outs = _fmt_spec(spec.output_specs)
+            ins = ([_fmt_spec(s) for s in spec.input_specs] if spec.input_specs is not None
+                   else [outs] * len(inputs))
+            if outs == output and ins == inputs:
+                return True, ""
+            listed.append(f"{outs}<-{ins}")
+        return False, f"{len(listed)} OpSpecs, e.g. {listed[:3]}"
+
+
+@pytest.mark.parametrize("mesh", ["2x4"])
+def test_plan_accepted_by_dtensor(jobs: Jobs, mesh: str) -> None:
+    check_plan_accepted_by_dtensor(jobs, mesh)
+
+
+def check_plan_accepted_by_dtensor(jobs: Jobs, mesh: str) -> None:
+    run = get_run(jobs, mesh, "lazy")
+    tt = topology_of(run)
+    checker = DTensorChecker(tt)
+    results: dict[str, list] = defaultdict(list)
+    for v, row in enumerate(run.plan):
+        if not row["op"].startswith("aten."):
+            continue
+        status, detail = checker.check(v, row["output_placement"], row["input_placements"])
+        results[status].append((row["name"], row["op"], row["output_placement"],
+                                row["input_placements"], detail))
+    total = sum(len(x) for x in results.values())
+    assert total > 400, total
+    assert not results["bad"], (f"{len(results['bad'])} of {total} chosen strategies are not "
+                                f"accepted by DTensor: {results['bad'][:10]}")
+    skipped = results["skip"]
+    assert len(skipped) < 0.05 * total, (f"{len(skipped)} of {total} nodes could not be "
+                                         f"checked: {skipped}")
+
+
+@pytest.mark.parametrize("mesh", ["2x4"])
+def test_plan_ties_and_constraints(jobs: Jobs, mesh: str) -> None:
+    check_plan_ties_and_constraints(jobs, mesh)
+
+
+def check_plan_ties_and_constraints(jobs: Jobs, mesh: str) -> None:
+    from pipeline.placements import parse_output, parse_placements
+
+    run = get_run(jobs, mesh, "lazy")
+    tt = topology_of(run)
+    plan = run.plan
+    nd = len(run.cfg.mesh)
+    rep = "R" * nd
+
+    # the groups are the topology's, and every member of a group takes the same label
+    assert [r["group"] for r in plan] == tt.nodes["group"]
+    by_group: dict[int, set] = defaultdict(set)
+    for r in plan:
+        by_group[r["group"]].add((r["strategy"], r["output_placement"]))
+    split = {g: s for g, s in by_group.items() if len(s) > 1}
+    assert not split, f"groups with more than one choice: {dict(list(split.items())[:5])}"
+    # repeated layers are really tied: layers.1 copies layers.0 node for node
+    layer_groups = defaultdict(set)
+    for r in plan:
+        if r["layer"] is not None:
+            layer_groups[r["layer"]].add(r["group"])
+    assert layer_groups["layers.1"] == layer_groups["layers.0"]
+
+    # gradient sinks carry their parameter's placement
+    param_of = {fqn: v for v, (fqn, role) in enumerate(zip(tt.nodes["fqn"], tt.nodes["role"]))
+                if role == "param"}
+    sinks = [r for r in plan if r["name"].startswith("output:grad:")]
+    assert len(sinks) == len(param_of) > 0
+    for r in sinks:
+        p = plan[param_of[r["name"][len("output:grad:"):]]]
+        assert r["output_placement"] == p["output_placement"], (r["name"], p["name"])
+        assert r["input_placements"] == [p["output_placement"]], r["name"]
+
+    # no Partial on placeholders or gradient outputs
+    for r in plan:
+        if r["op"] == "placeholder" or r["role"] == "grad":
+            assert not any(p.is_partial() for p in parse_placements(r["output_placement"], nd)), \
+                (r["name"], r["output_placement"])
+
+    # model inputs: Shard(0) on the first mesh dim, Replicate elsewhere
+    inputs = [r for r in plan if r["role"] == "input"]
+    assert inputs
+    for r in inputs:
+        assert r["output_placement"] == "S(0)" + "R" * (nd - 1), (r["name"], r["output_placement"])
+
+    # the loss (the value behind the non-gradient output) is Replicate
+    e = tt.edges
+    loss_sinks = [v for v, r in enumerate(plan) if r["op"] == "output" and r["role"] != "grad"]
+    assert len(loss_sinks) == 1
+    loss = [u for u, v in zip(e["producer"], e["consumer"]) if v == loss_sinks[0]]
+    assert len(loss) == 1
+    assert plan[loss[0]]["output_placement"] == rep, plan[loss[0]]
+    assert plan[loss_sinks[0]]["output_placement"] == rep
+    assert math.prod(json.loads(tt.nodes["out_metas"][loss[0]])[0]["shape"]) == 1
+
+    # the parameter-memory budget (constraints.param_memory, parameter-count weighted):
+    # sum_p r_p(x_p) <= sum_p max(min_r_p, high), r_p = local / full elements
+    pm = run.cfg.constraints.param_memory
+    if pm is not None:
+        mesh_shape = tuple(int(m) for m in run.cfg.mesh)
+
+        def ratio(v: int, text: str) -> float:
+            shape = json.loads(tt.nodes["out_metas"][v])[0]["shape"]
+            local = _local_shape(shape, parse_placements(text, nd), mesh_shape)
+            return math.prod(local) / math.prod(shape)
+
+        params = [v for v, r in enumerate(plan) if r["role"] == "param"]
+        used = math.fsum(ratio(v, plan[v]["output_placement"]) for v in params)
+        min_r = {v: min(ratio(v, t) for t in tt.slist_outputs[tt.nodes["slist"][v]])
+                 for v in params}
+        high = math.fsum(max(min_r[v], float(pm.high)) for v in params)
+        low = math.fsum(max(min_r[v], float(pm.low)) for v in params)
+        assert low * (1 - 1e-9) <= used <= high * (1 + 1e-9), (low, used, high)
+        assert rel_close(run.record["param_memory"]["ratio_sum"], used), \
+            (run.record["param_memory"], used)
+
+    # every chosen edge is a legal redistribution
+    ev = evaluation_of(run)
+    inf = [(plan[u]["name"], plan[v]["name"], src, dst)
+           for (u, v), c, (src, dst) in zip(zip(e["producer"], e["consumer"]), ev.edge_comm,
+                                            ev.edge_text) if not math.isfinite(c)]
+    assert not inf, f"forbidden redistributions in the plan: {inf[:10]}"
+    # every chosen placement parses (tuple outputs too)
+    for r in plan:
+        parse_output(r["output_placement"], nd)
+
+
+def test_enumerated_strategies_sample_accepted_by_dtensor(jobs: Jobs) -> None:
+    """Beyond the plan: a sample of every distinct strategy list of the 2x4 topology."""
+    run = get_run(jobs, "2x4", "lazy")
+    tt = topology_of(run)
+    checker = DTensorChecker(tt)
+    per_list = 6
+    seen: set[int] = set()
+    results: dict[str, list] = defaultdict(list)
+    for v, target in enumerate(tt.nodes["target"]):
+        s = tt.nodes["slist"][v]
+        if not target.startswith("aten.") or s in seen:
+            continue
+        seen.add(s)
+        outs, ins = tt.slist_outputs[s], tt.slist_inputs[s]
+        k_all = len(outs)
+        picks = sorted({round(j * (k_all - 1) / (per_list - 1)) for j in range(per_list)}) \
+            if k_all > per_list else range(k_all)
+        for k in picks:
+            status, detail = checker.check(v, outs[k], ins[k])
+            results[status].append((target, k, outs[k], ins[k], detail))
+    total = sum(len(x) for x in results.values())
+    assert total > 300, total
+    assert not results["bad"], (f"{len(results['bad'])} of {total} enumerated strategies "
+                                f"are not accepted by DTensor: {results['bad'][:10]}")
+    assert len(results["skip"]) < 0.05 * total, results["skip"]
+
+
+# --------------------------------------------------------------------------- 5. hash seed
+
+
+def test_placement_hash_independent_of_hash_seed(jobs: Jobs) -> None:
+    from pipeline.config import load_resolved, stage_dirs
+
+    main = get_run(jobs, "2x4", "lazy")  # PYTHONHASHSEED=SEED_MAIN
+    jobs.result("hashseed")  # PYTHONHASHSEED=SEED_OTHER, its own results_dir
+    cfg = load_resolved(toy_overrides("2x4", "lazy")
+                        + [f"results_dir={jobs.base / 'hashseed'}"])
+    other_dir = stage_dirs(cfg).solve
+    assert other_dir != main.dirs.solve
+    other = json.loads((other_dir / "run.json").read_text())
+    assert other["placement_hash"] == main.record["placement_hash"]
+    assert other["objective"] == main.record["objective"]
+    rows = pq.read_table(other_dir / "solution.parquet").to_pylist()
+    rows.sort(key=lambda r: r["node"])
+    strip = [(r["name"], r["output_placement"], r["input_placements"]) for r in rows]
+    assert strip == [(r["name"], r["output_placement"], r["input_placements"])
+                     for r in main.plan]
+
+
+# --------------------------------------------------------------------------- 7. no PuLP
+
+
+def test_approx_path_never_imports_pulp(jobs: Jobs) -> None:
+    seen = jobs.result("nopulp").tagged("PULP_MODULES")
+    assert seen == {"true": [], "false": []}, seen
+
+
+# --------------------------------------------------------------------------- 4. repeated
+
+
+def _nodes_of(topology_dir: str) -> tuple[dict, dict]:
+    summary = json.loads((Path(topology_dir) / "topology.json").read_text())
+    nodes = pq.read_table(Path(topology_dir) / "nodes.parquet").to_pydict()
+    return summary, nodes
+
+
+def _groups_by_layer(nodes: dict) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = defaultdict(set)
+    for layer, group in zip(nodes["layer"], nodes["group"]):
+        if layer is not None:
+            out[layer].add(group)
+    return out
+
+
+def test_repeated_layers_llama1b_one_class(jobs: Jobs) -> None:
+    dirs = jobs.result("repeated").tagged("TOPOLOGY_DIRS")
+    summary, nodes = _nodes_of(dirs["llama1b"])
+    layers = [f"layers.{i}" for i in range(16)]
+    classes = summary["repeated_blocks"]
+    assert len(classes) == 1, classes
+    cls = classes[0]
+    assert cls["blocks"] == layers
+    assert cls["nodes_per_block"] > 100
+    assert cls["tied_pairs"] == cls["nodes_per_block"] * 15
+    groups = _groups_by_layer(nodes)
+    assert sorted(groups) == sorted(layers)
+    for layer in layers[1:]:
+        assert groups[layer] == groups["layers.0"], layer
+
+
+def test_repeated_layers_other_width_not_tied(jobs: Jobs) -> None:
+    dirs = jobs.result("repeated").tagged("TOPOLOGY_DIRS")
+    summary, nodes = _nodes_of(dirs["toy3"])
+    # the override took effect: layer 1's FFN is 512 wide, the others 768
+    widths = {fqn: json.loads(m)[0]["shape"][0] for fqn, m in zip(nodes["fqn"],
+                                                                   nodes["out_metas"])
+              if fqn and fqn.endswith("feed_forward.w1.weight") and json.loads(m)[0]}
+    assert widths == {"layers.0.feed_forward.w1.weight": 768,
+                      "layers.1.feed_forward.w1.weight": 512,
+                      "layers.2.feed_forward.w1.weight": 768}, widths
+    classes = summary["repeated_blocks"]
+    assert [c["blocks"] for c in classes] == [["layers.0", "layers.2"]], classes
+    assert classes[0]["tied_pairs"] == classes[0]["nodes_per_block"]
+    groups = _groups_by_layer(nodes)
+    assert groups["layers.2"] == groups["layers.0"]
+    assert not groups["layers.1"] & (groups["layers.0"] | groups["layers.2"])
+
+
+# --------------------------------------------------------------------------- the 3-d mesh
+# Items 1-3 on MESHES_2X4X8, last so that the checks above run while these jobs do.
+
+
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=needs_eager_factors(m))
+                                  for m in MESHES_2X4X8])
+def test_3d_lazy_and_eager_agree(jobs: Jobs, mesh: str) -> None:
+    check_lazy_and_eager_agree(jobs, mesh)
+
+
+@pytest.mark.parametrize(("mesh", "mode"), [
+    pytest.param(m, md, marks=needs_eager_factors(m) if md == "eager" else [])
+    for m in MESHES_2X4X8 for md in MODES])
+def test_3d_independent_evaluator_matches_run_record(jobs: Jobs, mesh: str, mode: str) -> None:
+    check_independent_evaluator(jobs, mesh, mode)
+
+
+@pytest.mark.parametrize("mesh", MESHES_2X4X8)
+def test_3d_plan_accepted_by_dtensor(jobs: Jobs, mesh: str) -> None:
+    check_plan_accepted_by_dtensor(jobs, mesh)
+
+
+@pytest.mark.parametrize("mesh", MESHES_2X4X8)
+def test_3d_plan_ties_and_constraints(jobs: Jobs, mesh: str) -> None:
+    check_plan_ties_and_constraints(jobs, mesh)
+
+
+# --------------------------------------------------------------------------- 6. report
+
+
+REPORT_FIELDS = ["objective", "compute_us", "comm_us", "transition_us", "lower_bound",
+                 "lower_bound_source", "lower_bound_problem", "gap", "status",
+                 "placement_hash", "counts.nodes", "counts.edges", "counts.groups",
+                 "counts.strategies", "counts.factors_materialised.total",
+                 "phases.trace", "phases.topology", "phases.cost_build", "phases.factor_build",
+                 "phases.solve", "phases.search_total", "phases.wall",
+                 "peak_rss_bytes.self", "peak_rss_bytes.children", "peak_rss_bytes.max",
+                 "environment.python", "environment.torch", "environment.pulp",
+                 "environment.snakemake", "environment.cpu_model", "environment.cpu_count",
+                 "git.revision", "git.dirty"]
+
+
+@pytest.fixture(scope="module")
+def report(jobs: Jobs) -> dict[str, Any]:
+    """The report over every toy run, rebuilt once all of them have finished (the runs
+    finish concurrently, so the report of the last one may not have seen the others)."""
+    from pipeline.cli import run_stage
+    from pipeline.config import load_resolved, stage_dirs
+
+    runs = [get_run(jobs, m, md) for m, md in _runnable_runs()]
+    cfg = load_resolved([f"results_dir={jobs.main_dir}"])
+    dirs = stage_dirs(cfg)
+    assert run_stage("report", cfg, dirs)
+    return {"runs": runs,
+            "table": pq.read_table(dirs.report / "runs.parquet").to_pylist(),
+            "placements": pq.read_table(dirs.report / "placements.parquet")}
+
+
+def test_report_runs_parquet(report: dict[str, Any]) -> None:
+    runs, table = report["runs"], report["table"]
+    assert len(table) == len(runs) == len(_runnable_runs())
+    by_dir = {row["solve_dir"]: row for row in table}
+    assert len(by_dir) == len(table)
+    for run in runs:
+        row = by_dir[str(run.dirs.solve)]
+        missing = [f for f in REPORT_FIELDS if f not in row]
+        assert not missing, f"runs.parquet lacks {missing}"
+        rec = run.record
+        for f in ("objective", "lower_bound", "gap", "status", "placement_hash"):
+            assert row[f] == rec[f], f
+        assert row["phases.solve"] == rec["phases"]["solve"]
+        assert row["environment.torch"] == rec["environment"]["torch"]
+        assert row["model"] == "toy" and row["mesh"] == run.mesh
+        assert row["cost_mode"] == run.mode
+        assert row["status"] in ("Optimal", "Heuristic")
+        assert row["status"] == "Optimal" or row["gap"] > 0
+        rev = row["git.revision"]
+        assert (isinstance(rev, str) and len(rev) == 40) or row["revision_label"], rev
+        for k in ("trace", "topology", "cost_build", "factor_build", "solve", "wall"):
+            assert row[f"phases.{k}"] >= 0, k
+        total = sum(row[f"phases.{k}"] for k in
+                    ("trace", "topology", "cost_build", "factor_build", "solve"))
+        assert rel_close(row["phases.search_total"], total, 1e-6), (row["phases.search_total"],
+                                                                    total)
+        assert row["peak_rss_bytes.max"] >= row["peak_rss_bytes.self"] > 0
+
+
+@pytest.mark.xfail(reason="run.json phases has no 'report' entry: _record() copies "
+                   "timer.seconds while the 'report' phase is still open (see report)",
+                   strict=False)
+def test_report_phase_names_complete(report: dict[str, Any]) -> None:
+    for row in report["table"]:
+        missing = [k for k in ("trace", "topology", "cost_build", "factor_build", "solve",
+                               "report", "search_total", "wall") if f"phases.{k}" not in row]
+        assert not missing, f"runs.parquet lacks phases {missing}"
+
+
+def test_report_placements_parquet(report: dict[str, Any]) -> None:
+    runs, placements = report["runs"], report["placements"]
+    assert placements.num_rows == sum(len(r.plan) for r in runs)
+    nodes = {len(r.plan) for r in runs}
+    assert len(nodes) == 1
+    assert placements.num_rows == nodes.pop() * len(runs)
+    per_run = Counter(placements.column("run_id").to_pylist())
+    assert per_run == {r.record["run_id"]: len(r.plan) for r in runs}
+    # the rows are the runs' plans
+    rows = placements.select(["run_id", "name", "output_placement"]).to_pylist()
+    got = defaultdict(list)
+    for row in rows:
+        got[row["run_id"]].append((row["name"], row["output_placement"]))
+    for r in runs:
+        assert sorted(got[r.record["run_id"]]) == sorted(
+            (p["name"], p["output_placement"]) for p in r.plan)
+
+
+# --------------------------------------------------------------------------- eager loading
+
+
+@pytest.mark.xfail(LOAD_FACTORS_COPIES_ARCHIVE, reason=LOAD_FACTORS_REASON, strict=True)
+def test_eager_factors_load_once(jobs: Jobs) -> None:
+    """Loading the eager factors keeps each array of ``factors.npz`` once, not once per
+    factor (measured on the 2x4 run's archive)."""
+    run = get_run(jobs, "2x4", "eager")
+    overhead = load_factors_overhead(run.dirs.costs / "factors.npz")
+    assert overhead < 2.0, f"load_factors keeps {overhead:.1f}x the factors' own bytes"
