@@ -429,7 +429,8 @@ def save_factors(path: Path, mrf: MRF, factors: list[PairwiseFactor]) -> None:
 
 def load_factors(path: Path) -> MRF:
     """Read ``factors.npz`` back into an eager MRF (bit-identical values)."""
-    z = np.load(path)
+    with np.load(path) as npz:  # NpzFile re-reads (and copies) an array on every z[key]
+        z = {k: npz[k] for k in npz.files}
     uoff, roff, coff, toff = z["unary_off"], z["row_off"], z["col_off"], z["table_off"]
     unary = [z["unary"][uoff[g]:uoff[g + 1]] for g in range(len(uoff) - 1)]
     factors = []

@@ -138,6 +138,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
 
     with timer.phase("report"):
         record, table = _record(cfg, dirs, tt, mrf, result, lp_bound, timer, fp, budget)
+    record["phases"]["report"] = timer.seconds["report"]
     runtime.write_parquet(out_dir / SOLUTION_FILE, table,
                           metadata={"run_id": record["run_id"],
                                     "placement_hash": record["placement_hash"]})
