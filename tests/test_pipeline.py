@@ -22,11 +22,10 @@ two at a time, longest first, so the whole file takes a few minutes on 2 cores;
 only the jobs the selected tests need are started. The 2x4x8 cases are listed in
 :data:`MESHES_2X4X8` (about one minute per cost mode).
 
-Known bugs are xfailed with their reason: ``run.json`` has no ``report`` phase; and
-while ``pipeline.costs.load_factors`` keeps a full copy of the archive per factor
-(:data:`LOAD_FACTORS_COPIES_ARCHIVE`, probed on a small synthetic MRF) the eager 2x4x8
-run is not started (it is OOM-killed) and the checks that need it are xfailed; they
-run by themselves once the loader is fixed.
+A regression guard: should ``pipeline.costs.load_factors`` again keep a full copy of
+the archive per factor (:data:`LOAD_FACTORS_COPIES_ARCHIVE`, probed on a small
+synthetic MRF), the eager 2x4x8 run is not started (it would be OOM-killed) and the
+checks that need it are xfailed.
 """
 
 from __future__ import annotations
@@ -1025,9 +1024,6 @@ def test_report_runs_parquet(report: dict[str, Any]) -> None:
         assert row["peak_rss_bytes.max"] >= row["peak_rss_bytes.self"] > 0
 
 
-@pytest.mark.xfail(reason="run.json phases has no 'report' entry: _record() copies "
-                   "timer.seconds while the 'report' phase is still open (see report)",
-                   strict=False)
 def test_report_phase_names_complete(report: dict[str, Any]) -> None:
     for row in report["table"]:
         missing = [k for k in ("trace", "topology", "cost_build", "factor_build", "solve",
