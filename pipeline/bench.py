@@ -31,7 +31,9 @@ results_dir=<dir>``, with this checkout first on ``PYTHONPATH``. The runner meas
   ``os.wait4`` on the child: the largest of the child and its waited-for descendants,
   such as a CBC subprocess; KiB on Linux);
 
-and reads everything else from the case's run record (``run.json`` in
+records ``code``, a hash of the stage sources on disk when the case starts (a suite
+may outlive a commit: rows with different ``code`` ran different code), and reads
+everything else from the case's run record (``run.json`` in
 ``stage_dirs(load_resolved(overrides)).solve``): phase seconds (``trace``, ``topology``,
 ``cost_build``, ``factor_build``, ``solve``, ``search_total``; DESIGN.md phase names),
 counts, objective, lower bound, gap, status, placement hash.
@@ -176,6 +178,8 @@ COLUMNS: tuple[tuple[str, str, str | None], ...] = (
     ("placement_hash", "string", "placement hash"),
     ("time_limit_s", "float64", "time limit s"),
     ("reused", "string", "reused"),
+    ("code", "string", "code"),
+    ("revision", "string", None),
     ("exit_code", "int32", None),
     ("error", "string", None),
     ("load_1m", "float64", None),
@@ -192,6 +196,8 @@ UNITS = {
     "peak_rss_mib": "MiB (ru_maxrss of the process tree via os.wait4)",
     "objective": "µs", "lower_bound": "µs", "time_limit_s": "s",
     "load_1m": "1-minute load average when the case started",
+    "code": "hash of the stage sources when the case started (see code_hash)",
+    "revision": "git revision of the run record (+dirty: uncommitted changes)",
 }
 
 _SENTINELS = {"trace": "graph.parquet", "topology": "topology.json", "costs": "costs.json",
@@ -323,6 +329,18 @@ def _measure(cmd: list[str], stdout: Path, stderr: Path, timeout: float | None
             timed_out.is_set())
 
 
+def code_hash() -> str:
+    """12 hex digits over the source hashes of the trace, topology, costs and solve stages
+    (:func:`pipeline.config.stage_code_hash`) as they are on disk when a case starts: rows
+    with different values ran different code (the checkout may change during a suite)."""
+    import hashlib
+
+    from pipeline.config import stage_code_hash
+
+    text = ",".join(stage_code_hash(st) for st in ("trace", "topology", "costs", "solve"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def _empty_row() -> dict[str, Any]:
     return {name: None for name, _, _ in COLUMNS}
 
@@ -334,7 +352,7 @@ def run_case(case: Case, index: int, results_dir: Path, log_dir: Path,
 
     overrides = [*case.overrides, f"results_dir={_hydra_path(results_dir)}"]
     row = _empty_row()
-    row.update(case_index=index, case=case.label, load_1m=_load_1m())
+    row.update(case_index=index, case=case.label, load_1m=_load_1m(), code=code_hash())
     cfg = dirs = None
     try:
         cfg = load_resolved(overrides)
@@ -380,6 +398,9 @@ def run_case(case: Case, index: int, results_dir: Path, log_dir: Path,
     after = _mtimes(dirs)
     row["reused"] = ",".join(st for st in _SENTINELS
                              if before.get(st) is not None and before[st] == after.get(st))
+    git = record.get("git") or {}
+    if git.get("revision"):
+        row["revision"] = git["revision"][:12] + ("+dirty" if git.get("dirty") else "")
     counts = record.get("counts", {})
     phases = record.get("phases", {})
     fm = counts.get("factors_materialised")
@@ -464,9 +485,10 @@ def _markdown(suite: Suite, rows: list[dict[str, Any]], meta: dict[str, Any]) ->
     ]
     shown = [(name, header) for name, _, header in COLUMNS if header is not None]
     lines.append("| " + " | ".join(h for _, h in shown) + " |")
-    lines.append("|" + "|".join("---" if n in ("model", "mesh", "solver", "backend",
-                                               "cost_mode", "status", "placement_hash",
-                                               "reused") else "--:" for n, _ in shown) + "|")
+    text_columns = ("model", "mesh", "solver", "backend", "cost_mode", "status",
+                    "placement_hash", "reused", "code")
+    lines.append("|" + "|".join("---" if n in text_columns else "--:" for n, _ in shown)
+                 + "|")
     for r in rows:
         lines.append("| " + " | ".join(_fmt_cell(n, r.get(n)) for n, _ in shown) + " |")
     errors = [r for r in rows if r.get("error")]

@@ -27,7 +27,7 @@ EXPECTED_COLUMNS = {
     "group_strategies", "factors_materialised", "trace", "topology", "cost_build",
     "factor_build", "solve", "search_total", "wall", "cpu", "peak_rss_mib", "objective",
     "lower_bound", "gap", "status", "placement_hash", "time_limit_s", "case", "error",
-    "exit_code", "reused",
+    "exit_code", "reused", "code", "revision",
 }
 
 
@@ -62,6 +62,7 @@ def test_smoke_suite_fresh(tmp_path):
         assert r["trace"] > 0 and r["search_total"] >= r["trace"]
         assert r["nodes"] > 0 and r["groups"] > 0 and r["group_strategies"] >= r["groups"]
         assert len(r["placement_hash"]) == 64
+        assert len(r["code"]) == 12 and r["revision"]
         assert math.isfinite(r["objective"]) and r["lower_bound"] <= r["objective"] + 1e-6
         assert Path(r["run_record"]).is_relative_to(out / "fresh" / "smoke")
 
