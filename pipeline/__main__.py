@@ -38,21 +38,23 @@ from pipeline.runtime import PhaseTimer
 log = logging.getLogger("pipeline")
 
 
-def run_pipeline(cfg: DictConfig) -> PhaseTimer:
+def run_pipeline(cfg: DictConfig, force: bool = False) -> PhaseTimer:
     """Run every stage for a *resolved* config; return the wall time of each phase.
 
-    A stage whose artifact is current is reused; once a stage has run, every later
-    stage runs too (its input changed). The report always runs.
+    A stage whose artifact is current is reused (unless ``force``: every stage runs).
+    Once a stage has run, the later stages run too, because their artifacts are now
+    older than their input (:func:`pipeline.cli.run_stage` compares modification times,
+    as Snakemake does) -- unless another process running the same config has already
+    remade them from the new input meanwhile: then they are current and reused, so two
+    processes of one config run each stage once. The report always runs.
     """
     dirs = stage_dirs(cfg)
     timer = PhaseTimer()
-    ran_any = False
     done = []
     with timer.phase("wall"):
         for stage in STAGES:
             with timer.phase(PHASES[stage]):
-                ran = run_stage(stage, cfg, dirs, force=ran_any and stage != "report")
-            ran_any = ran_any or ran
+                ran = run_stage(stage, cfg, dirs, force=force and stage != "report")
             done.append(f"{stage} {timer.seconds[PHASES[stage]]:.2f} s"
                         + ("" if ran else " (reused)"))
     log.info("stages: %s; wall %.2f s", ", ".join(done), timer.seconds["wall"])
@@ -63,6 +65,7 @@ def run_pipeline(cfg: DictConfig) -> PhaseTimer:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def _hydra_task(cfg: DictConfig) -> None:
+    configure_logging()  # again in the worker processes of the joblib/submitit launchers
     try:
         resolved = resolve(cfg)
     except ConfigError as err:

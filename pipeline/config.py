@@ -57,6 +57,7 @@ __all__ = [
     "ConfigError",
     "ConstraintsConfig",
     "NodeConstraint",
+    "PaperConfig",
     "ParamMemoryConfig",
     "SolverConfig",
     "StageDirs",
@@ -97,6 +98,7 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
     "costs": ("pipeline/costs.py", "pipeline/costmodel/*.py"),
     "solve": ("pipeline/solve.py", "pipeline/solvers/*.py"),
     "report": ("pipeline/report.py",),
+    "paper": ("pipeline/paper.py",),
 }
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -185,6 +187,22 @@ class ConstraintsConfig:
 
 
 @dataclass
+class PaperConfig:
+    """The runs behind the paper's tables and figures (set by ``conf/experiment/paper*.yaml``;
+    read by :mod:`pipeline.paper`, not part of any stage's key).
+
+    Attributes:
+        runs: named run sets; each is a list of Hydra overrides in the multirun grammar
+            (``mesh=8,2x4``, ``lazy_costs=true,false``) applied on top of the experiment's
+            config, and every combination of their values is one run.
+        table_mesh: mesh of the eager-vs-lazy table (``None``: the largest mesh of its set).
+    """
+
+    runs: dict[str, list[str]] = field(default_factory=dict)
+    table_mesh: str | None = None
+
+
+@dataclass
 class Config:
     """The whole run configuration (``conf/config.yaml`` is merged onto this schema).
 
@@ -200,6 +218,7 @@ class Config:
         results_dir: root of all results, relative to the working directory.
         experiment: name of the selected ``conf/experiment`` option (set by it).
         revision_label: recorded in place of the git revision when given.
+        paper: run sets of the paper's tables and figures, see :class:`PaperConfig`.
     """
 
     model: ModelConfig = MISSING
@@ -214,6 +233,7 @@ class Config:
     results_dir: str = "results"
     experiment: str | None = None
     revision_label: str | None = None
+    paper: PaperConfig = field(default_factory=PaperConfig)
 
 
 def register_configs() -> None:
@@ -325,7 +345,7 @@ def _schema_type(key: str) -> tuple[Any, bool] | None:
 
 _SCHEMAS: dict[str, Any] = {c.__name__: c for c in (
     Config, ModelConfig, HardwareConfig, SolverConfig, ConstraintsConfig, NodeConstraint,
-    ParamMemoryConfig)}
+    ParamMemoryConfig, PaperConfig)}
 _SCHEMAS["LinkConfig"] = typing.get_type_hints(HardwareConfig)["intra_node"]
 
 

@@ -197,7 +197,7 @@ BAD_CASES = [
     ("unknown-key", ["foo=1"], ["overrides=foo=1"],
      "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
      "constraints, mesh, mesh_names, lazy_costs, repeated_subgraphs, optimality_check, "
-     "results_dir, experiment, revision_label"),
+     "results_dir, experiment, revision_label, paper"),
     ("bool-2", ["repeated_subgraphs=2"], ["repeated_subgraphs=2"],
      "repeated_subgraphs=2: allowed true, false"),
 ]

@@ -1,0 +1,306 @@
+"""Sweeps: a Hydra multirun writes the Snakemake result layout and reuses what is on
+disk (basic and joblib launchers), concurrent processes of one config produce one
+artifact, a code change reruns its stage under Snakemake, and the SLURM profile and the
+submitit launcher config parse.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import SENTINELS
+from pipeline.config import (
+    CONF_DIR,
+    STAGES,
+    load_resolved,
+    register_configs,
+    stage_dirs,
+    sweep_overrides,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAKEFILE = ROOT / "workflow" / "Snakefile"
+SWEEP = ["lazy_costs=true,false", "mesh=8,2x4"]
+RUN_STAGES = ("trace", "topology", "costs", "solve")
+
+
+def python_env(root: Path = ROOT) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    env.pop("PIPELINE_LOG_LEVEL", None)
+    return env
+
+
+def run(cwd: Path, *args: str, root: Path = ROOT,
+        timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          env=python_env(root), timeout=timeout)
+
+
+def copy_checkout(dest: Path) -> Path:
+    """The code and configs of this checkout, copied: runs of the copy do not see edits
+    made to the checkout meanwhile (stage code hashes stay put)."""
+    for part in ("pipeline", "conf", "workflow"):
+        shutil.copytree(ROOT / part, dest / part,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest
+
+
+@pytest.fixture(scope="module")
+def frozen(tmp_path_factory) -> Path:
+    return copy_checkout(tmp_path_factory.mktemp("checkout"))
+
+
+def artifacts(root: Path) -> dict[str, int]:
+    """Every file under ``root`` (relative path -> mtime in ns)."""
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def job_dirs(workdir: Path, job: list[str]):
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        return stage_dirs(load_resolved(["model=toy", *job]))
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, frozen):
+    """``python -m pipeline -m model=toy lazy_costs=true,false mesh=8,2x4`` in a fresh
+    directory: (workdir, completed process)."""
+    workdir = tmp_path_factory.mktemp("sweep")
+    proc = run(workdir, "-m", "pipeline", "-m", "model=toy", *SWEEP, root=frozen)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return workdir, proc
+
+
+# --------------------------------------------------------------------------- multirun
+
+
+def test_multirun_writes_the_snakemake_layout(sweep):
+    workdir, proc = sweep
+    jobs = sweep_overrides(SWEEP)
+    assert len(jobs) == 4
+    runs = sorted(str(p.relative_to(workdir)) for p in workdir.rglob("run.json"))
+    expected = sorted(str(job_dirs(workdir, job).solve / "run.json") for job in jobs)
+    assert runs == expected
+    assert proc.stdout.count("run record: ") == 4
+    for job in jobs:
+        dirs = job_dirs(workdir, job)
+        for stage in STAGES:
+            assert (workdir / dirs.of(stage) / SENTINELS[stage]).is_file(), (job, stage)
+    # one trace, a topology per mesh, a cost dir per mesh and mode, a solve dir per run
+    res = workdir / "results" / "runs"
+    assert len(list(res.glob("*/graph.parquet"))) == 1
+    assert len(list(res.glob("*/*/topology.json"))) == 2
+    assert len(list(res.glob("*/*/*/*/costs.json"))) == 4
+    assert len(list(res.glob("*/*/*/eager/factors.npz"))) == 2
+    # Hydra itself writes only multirun.yaml, under results/hydra/multirun/
+    hydra_files = [p for p in (workdir / "results" / "hydra").rglob("*") if p.is_file()]
+    assert [p.name for p in hydra_files] == ["multirun.yaml"]
+    assert {p.name for p in workdir.iterdir()} - {".snakemake"} == {"results"}
+    import pandas as pd
+
+    report = pd.read_parquet(workdir / "results" / "report" / "runs.parquet")
+    assert len(report) == 4
+    assert sorted(report["cost_mode"]) == ["eager", "eager", "lazy", "lazy"]
+    # eager and lazy costs give the same plan on each mesh
+    assert report.groupby("mesh")["placement_hash"].nunique().tolist() == [1, 1]
+
+
+def test_multirun_reuses_traces_topologies_and_costs(sweep):
+    _, proc = sweep
+    log = proc.stderr
+    assert len(re.findall(r"trace: running", log)) == 1
+    assert len(re.findall(r"trace: reusing", log)) == 3
+    assert len(re.findall(r"topology: running", log)) == 2
+    assert len(re.findall(r"topology: reusing", log)) == 2
+    assert len(re.findall(r"costs: running", log)) == 4
+
+
+def test_joblib_sweep_over_existing_results_reuses_everything(sweep, frozen, tmp_path):
+    """The same sweep again, in parallel with the joblib launcher, on a copy of the
+    results: every job finds every stage current and rewrites nothing but the report."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    workdir = tmp_path / "again"
+    shutil.copytree(sweep[0], workdir)
+    before = artifacts(workdir / "results" / "runs")
+    proc = run(workdir, "-m", "pipeline", "-m", "hydra/launcher=joblib",
+               "hydra.launcher.n_jobs=2", "model=toy", *SWEEP, root=frozen)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("run record: ") == 4
+    assert artifacts(workdir / "results" / "runs") == before
+    assert "Joblib.Parallel(n_jobs=2" in proc.stderr
+    assert len(re.findall(r"solve: reusing", proc.stderr)) == 4
+    assert "running in" not in proc.stderr.replace("report: running in", "")
+
+
+def test_snakemake_finds_a_sweep_run_up_to_date(sweep):
+    """A sweep's run is the Snakemake run of the same config: nothing to do."""
+    from test_workflow import snakemake
+
+    code, out, err = snakemake(sweep[0], "-n", "--config", "model=toy", "mesh=2x4",
+                               "lazy_costs=false")
+    assert code == 0, err
+    assert "Nothing to be done" in out + err
+
+
+# --------------------------------------------------------------------------- concurrency
+
+
+def test_two_processes_of_one_config_produce_one_artifact(tmp_path, frozen):
+    args = ("-m", "pipeline", "model=toy", "mesh=8", "lazy_costs=true")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        procs = list(pool.map(lambda _: run(tmp_path, *args, root=frozen), range(2)))
+    for p in procs:
+        assert p.returncode == 0, p.stderr[-3000:]
+    dirs = job_dirs(tmp_path, ["mesh=8", "lazy_costs=true"])
+    records = {p.stdout.split("run record: ")[1].split()[0] for p in procs}
+    assert records == {str(dirs.solve / "run.json")}
+    logs = procs[0].stderr + procs[1].stderr
+    for stage in RUN_STAGES:  # each stage ran in exactly one process, the other reused it
+        assert len(re.findall(rf"{stage}: running", logs)) == 1, stage
+        assert len(re.findall(rf"{stage}: reusing", logs)) == 1, stage
+    files = [f for f in artifacts(tmp_path) if not f.endswith((".lock", ".code"))]
+    assert not [f for f in files if f.endswith(".tmp") or "/." in f]
+    assert len([f for f in files if f.endswith("run.json")]) == 1
+    assert len([f for f in files if f.endswith("graph.parquet")]) == 1
+    import json
+
+    record = json.loads((tmp_path / dirs.solve / "run.json").read_text())
+    assert record["placement_hash"] and record["model"] == "toy"
+
+
+# --------------------------------------------------------------------------- code changes
+
+
+def test_a_stage_code_change_reruns_that_stage(tmp_path):
+    """In a copy of the checkout: outputs recorded by Snakemake (--touch), then an edit of
+    a solver module makes `snakemake -n` plan solve (and the report), nothing earlier."""
+    repo = copy_checkout(tmp_path / "repo")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = python_env(repo)
+    cfg = ["--config", "model=toy", "mesh=8"]
+    code = ("import os, sys; os.chdir(sys.argv[1]); "
+            "from pipeline.config import load_resolved, stage_dirs, STAGES; "
+            "from pipeline.cli import SENTINELS; "
+            "d = stage_dirs(load_resolved(['model=toy', 'mesh=8'])); "
+            "ps = [d.of(s) / SENTINELS[s] for s in STAGES] + [d.report / 'placements.parquet']; "
+            "[(p.parent.mkdir(parents=True, exist_ok=True), p.write_text('x'), "
+            "os.utime(p, (1e6 + i, 1e6 + i))) for i, p in enumerate(ps)]")
+    # cwd: not the checkout, whose pipeline/ would shadow the copy's (sys.path[0])
+    subprocess.run([sys.executable, "-c", code, str(work)], env=env, check=True, timeout=120,
+                   cwd=work)
+
+    def smk(*args: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, "-m", "snakemake", "--snakefile", str(repo / "workflow/Snakefile"),
+             "--directory", str(work), *args], env=env, capture_output=True, text=True,
+            timeout=300, cwd=work)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout + proc.stderr
+
+    smk("--touch", "--forceall", *cfg)
+    assert "Nothing to be done" in smk("-n", *cfg)
+    with open(repo / "pipeline" / "solvers" / "trws.py", "a") as fh:
+        fh.write("\n# a code change\n")
+    out = smk("-n", *cfg)
+    jobs = {r: int(n) for r, n in re.findall(r"^(\w+)\s+(\d+)$", out, re.M)}
+    jobs.pop("total", None)
+    jobs.pop("all", None)
+    assert jobs == {"solve": 1, "report": 1}
+    assert re.search(r"params have changed since last execution:\s+solve", out)
+
+
+# --------------------------------------------------------------------------- scaling out
+
+
+def test_slurm_profile_parses():
+    """`snakemake --profile workflow/profiles/slurm -n` (needs the executor plugin,
+    extra [slurm]); the profile's resources reach the jobs."""
+    pytest.importorskip("snakemake_executor_plugin_slurm")
+    import tempfile
+
+    from test_workflow import snakemake
+
+    with tempfile.TemporaryDirectory() as tmp:
+        code, out, err = snakemake(Path(tmp), "--profile", str(ROOT / "workflow/profiles/slurm"),
+                                   "-n", "--config", "model=toy", "mesh=8")
+    assert code == 0, err
+    text = out + err
+    assert "workflow/profiles/slurm" in text
+    assert re.search(r"rule solve:(.|\n)*?resources: .*mem_mb=24000.*runtime=480", text)
+    assert re.search(r"rule trace:(.|\n)*?resources: .*mem_mb=16000", text)
+
+
+def test_profile_executor_must_exist(tmp_path):
+    """The parse test above means something: an unknown executor fails the dry run."""
+    from test_workflow import snakemake
+
+    text = (ROOT / "workflow/profiles/slurm/config.yaml").read_text()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.yaml").write_text(text.replace("executor: slurm",
+                                                               "executor: nosuchexecutor"))
+    code, out, err = snakemake(tmp_path, "--profile", str(tmp_path / "bad"), "-n",
+                               "--config", "model=toy", "mesh=8")
+    assert code != 0 and "nosuchexecutor" in err
+
+
+@pytest.mark.parametrize("launcher, target, keys", [
+    ("slurm", "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher",
+     {"timeout_min": 120, "cpus_per_task": 1, "mem_gb": 16, "array_parallelism": 64}),
+    ("submitit_slurm",
+     "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher", {}),
+    ("joblib", "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher",
+     {"n_jobs": 2}),
+])
+def test_hydra_launcher_configs_compose(launcher, target, keys):
+    import importlib
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    module, _, cls = target.rpartition(".")
+    pytest.importorskip(module)
+    register_configs()
+    GlobalHydra.instance().clear()
+    extra = ["hydra.launcher.n_jobs=2"] if launcher == "joblib" else [
+        "hydra.launcher.partition=cpu"]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            cfg = compose(config_name="config", return_hydra_config=True,
+                          overrides=[f"hydra/launcher={launcher}", *extra, "model=toy",
+                                     "mesh=8"])
+    finally:
+        GlobalHydra.instance().clear()
+    lc = cfg.hydra.launcher
+    assert lc._target_ == target
+    assert getattr(importlib.import_module(module), cls)
+    for k, v in keys.items():
+        assert lc[k] == v, k
+    if launcher != "joblib":
+        assert lc.partition == "cpu"
+    # the job config is the one every other entry point composes
+    assert cfg.model.name == "toy" and str(cfg.mesh) == "8"
+
+
+def test_pipeline_validates_a_slurm_sweep_before_submitting(tmp_path):
+    """`python -m pipeline -m hydra/launcher=slurm ...` with a bad value fails in one line,
+    before any job is submitted (no sbatch is needed for that)."""
+    proc = run(tmp_path, "-m", "pipeline", "-m", "hydra/launcher=slurm", "model=toy",
+               "mesh=8,2x0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "mesh=2x0: allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"]
+    assert not (tmp_path / "results").exists()
