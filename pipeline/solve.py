@@ -105,6 +105,17 @@ def _stage_seconds(dirs: Any) -> dict[str, float]:
     return out
 
 
+def _stage_rss(dirs: Any) -> list[int]:
+    """Peak RSS recorded by the trace, topology and costs artifacts (bytes): each stage
+    may have run in its own process (Snakemake)."""
+    from pipeline.trace import read_graph
+
+    out = [int(read_graph(dirs.trace)[1].get("peak_rss_bytes", {}).get("max", 0))]
+    for path in (Path(dirs.topology) / TOPOLOGY_FILE, Path(dirs.costs) / COSTS_FILE):
+        out.append(int(json.loads(path.read_text()).get("peak_rss_bytes", {}).get("max", 0)))
+    return out
+
+
 def run_solve(cfg: Any, dirs: Any) -> None:
     """Stage entry point: solve, then write ``solution.parquet`` and ``run.json``."""
     from omegaconf import OmegaConf
@@ -143,6 +154,8 @@ def run_solve(cfg: Any, dirs: Any) -> None:
                           metadata={"run_id": record["run_id"],
                                     "placement_hash": record["placement_hash"]})
     record["peak_rss_bytes"] = runtime.peak_rss_bytes()
+    record["peak_rss_bytes"]["stages_max"] = max(
+        [record["peak_rss_bytes"]["max"]] + _stage_rss(dirs))
     record["config"] = OmegaConf.to_container(cfg, resolve=True)
     runtime.write_json(out_dir / RUN_FILE, record)
     log.info("solve: %s objective %.3f µs bound %.3f gap %.3g status %s", cfg.solver.name,
