@@ -219,7 +219,7 @@ class CostModel:
 
     def edge_table(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(row_cls [K_u], col_cls [K_v], table [R, C])`` of graph edge ``e`` (µs)."""
-        from pipeline.costmodel.redistribute import redistribute_table
+        from pipeline.costmodel.redistribute import placements_differ, redistribute_table
 
         u, element, v, a = self.edges[e]
         row_cls, srcs = self.out_classes(u, element)
@@ -230,8 +230,7 @@ class CostModel:
         if table is None:
             table = redistribute_table(meta["shape"], itemsize(meta["dtype"]), srcs, dsts,
                                        self.mesh_shape, self.hw)
-            differ = np.array([[s != d for d in dsts] for s in srcs], dtype=bool).reshape(
-                len(srcs), len(dsts))
+            differ = placements_differ(srcs, dsts)
             table = table + np.where(differ, TRANSITION_COST, 0.0)
             self.stats.edge_tables += 1
             if self.memoise:
