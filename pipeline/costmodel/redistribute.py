@@ -991,7 +991,8 @@ class _TableContext:
         self.record_ids: dict[tuple[int, ...], int] = {}
         self.records: list[tuple[int, ...]] = []
         self._step_arrays: tuple[np.ndarray, ...] | None = None
-        self._record_array: np.ndarray | None = None
+        self._record_array: np.ndarray | None = None  # rows of records[:_records_done]
+        self._records_done = 0
         self.record_id(())  # record 0: equal placements / only free steps
         self.record_id((_ILLEGAL_STEP,))  # record 1: illegal
 
@@ -1077,7 +1078,6 @@ class _TableContext:
         if i is None:
             i = self.record_ids[rec] = len(self.records)
             self.records.append(rec)
-            self._record_array = None
         return i
 
     # -- compiling pairs -------------------------------------------------------------------
@@ -1219,8 +1219,12 @@ class _TableContext:
             ids[sel, s] = uniq_ids[inv.reshape(-1)]
         ids[illegal] = 0
         ids[illegal, 0] = _ILLEGAL_STEP
-        # a record is the tuple of the non-null step ids in order
-        rows, inv = np.unique(ids, axis=0, return_inverse=True)
+        # a record is the tuple of the non-null step ids in order; distinct rows found by
+        # sorting them as raw bytes (np.unique(axis=0) lexsorts: several times slower)
+        ids = np.ascontiguousarray(ids)
+        as_bytes = ids.view(np.dtype((np.void, ids.itemsize * n_slot))).reshape(-1)
+        uniq, inv = np.unique(as_bytes, return_inverse=True)
+        rows = uniq.view(ids.dtype).reshape(-1, n_slot)
         rec = np.fromiter(
             (self.record_id(tuple(int(x) for x in r if x)) for r in rows.tolist()),
             np.int64,
@@ -1271,14 +1275,24 @@ class _TableContext:
         return self._step_arrays
 
     def record_array(self) -> np.ndarray:
-        """[n_records, width] step ids, padded with the null step."""
-        if self._record_array is None:
-            width = max(1, max(len(r) for r in self.records))
-            arr = np.full((len(self.records), width), _NULL_STEP, dtype=np.intp)
-            for k, r in enumerate(self.records):
-                arr[k, : len(r)] = r
-            self._record_array = arr
-        return self._record_array
+        """[n_records, width] step ids, padded with the null step (extended in place as
+        records are added)."""
+        arr, done, n = self._record_array, self._records_done, len(self.records)
+        if arr is not None and done == n:
+            return arr[:n]
+        width = max(1, max(len(r) for r in self.records[done:]))
+        if arr is None or width > arr.shape[1] or n > len(arr):
+            old_width = 0 if arr is None else arr.shape[1]
+            cap = max(n, 2 * (0 if arr is None else len(arr)), 64)
+            grown = np.full((cap, max(width, old_width)), _NULL_STEP, dtype=np.intp)
+            if arr is not None:
+                grown[:done, :old_width] = arr[:done]
+            arr = self._record_array = grown
+        for k in range(done, n):
+            r = self.records[k]
+            arr[k, : len(r)] = r
+        self._records_done = n
+        return arr[:n]
 
 
 _CONTEXTS: dict[tuple[tuple[int, ...], int], _TableContext] = {}
