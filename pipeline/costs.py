@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import math
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ log = logging.getLogger(__name__)
 COSTS_FILE = "costs.json"
 FACTORS_FILE = "factors.npz"
 TRANSITION_COST = 1.0
+_REF_RE = re.compile(r'\{"node": \d+\}')
 _NO_COMPUTE = ("placeholder", "getitem", "output")
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype name (``bfloat16`` -> 2), from ``torch.dtype.itemsize``.
@@ -116,6 +118,10 @@ class CostModel:
         self.out_metas = [json.loads(x) for x in n["out_metas"]]
         self.args = n["args"]
         self.kwargs = n["kwargs"]
+        # Memo keys: arguments with node references blanked (tensor args are described
+        # by in_metas), so the copies of a repeated layer share one unary vector.
+        self._sig_args = [_REF_RE.sub('{"node": 0}', a) for a in self.args]
+        self._sig_kwargs = [_REF_RE.sub('{"node": 0}', a) for a in self.kwargs]
         self.stats = FactorStats()
         self._out_cls: dict[tuple[int, int], tuple[np.ndarray, list]] = {}
         self._in_cls: dict[tuple[int, int], tuple[np.ndarray, list]] = {}
@@ -156,7 +162,7 @@ class CostModel:
         target = self.target[node]
         if target in _NO_COMPUTE:
             return np.zeros(k)
-        key = "|".join((target, self.args[node], self.kwargs[node],
+        key = "|".join((target, self._sig_args[node], self._sig_kwargs[node],
                         json.dumps(self.in_metas[node]), json.dumps(self.out_metas[node]),
                         str(self.slist[node])))
         hit = self._unary_memo.get(key)
