@@ -50,18 +50,26 @@ def placement_hash(names: list[str], outputs: list[str], inputs: list[list[str]]
 
 def node_costs(cm: CostModel, strategy: np.ndarray) -> dict[str, np.ndarray]:
     """Per-node cost parts of a plan (µs): compute, and over incoming edges the
-    redistribution (comm) and transition parts; ``inf`` comm for an illegal edge."""
+    redistribution (comm) and transition parts; ``inf`` comm for an illegal edge.
+
+    Each edge is costed once for its chosen pair with the scalar
+    ``redistribute_us`` (bit-identical to the table entries the solver used).
+    """
+    from pipeline.costmodel.redistribute import redistribute_us
+    from pipeline.costs import itemsize
+
     n = cm.num_nodes
     compute = np.array([cm.unary(v)[strategy[v]] for v in range(n)])
     comm = np.zeros(n)
     trans = np.zeros(n)
-    for e, (u, _element, v, _a) in enumerate(cm.edges):
-        r, c, t = cm.edge_table(e)
-        i, j = r[strategy[u]], c[strategy[v]]
-        differ = bool(cm.out_classes(u, _element)[1][i] != cm.in_classes(v, _a)[1][j])
-        tr = TRANSITION_COST if differ else 0.0
-        comm[v] += t[i, j] - tr
-        trans[v] += tr
+    for u, element, v, a in cm.edges:
+        r, srcs = cm.out_classes(u, element)
+        c, dsts = cm.in_classes(v, a)
+        src, dst = srcs[r[strategy[u]]], dsts[c[strategy[v]]]
+        meta = cm.in_metas[v][a]
+        comm[v] += redistribute_us(meta["shape"], itemsize(meta["dtype"]), src, dst,
+                                   cm.mesh_shape, cm.hw)
+        trans[v] += TRANSITION_COST if src != dst else 0.0
     return {"compute_us": compute, "comm_us": comm, "transition_us": trans}
 
 
