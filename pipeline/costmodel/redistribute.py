@@ -403,10 +403,13 @@ def _transform(a: int, b: int) -> tuple[int, bool, bool, int] | None:
 def _greedy_transforms(
     src: tuple[int, ...], dst: tuple[int, ...], src_shards: bool
 ) -> list[tuple[int, int, int]]:
-    """DTensor's greedy planner (``generate_greedy_transform_infos``, torch 2.13) on the
-    canonical planning mesh (size 2 per dim), for placements without ``_StridedShard``,
-    on pids: ``(mesh_dim, src pid, dst pid)`` per step. ``src_shards``: whether ``src``
-    holds a ``Shard``.
+    """DTensor's greedy planner (``generate_greedy_transform_infos``, torch 2.13) on pids:
+    ``(mesh_dim, src pid, dst pid)`` per step. ``src_shards`` is DTensor's
+    ``src_spec.num_shards > 1``: on the canonical planning mesh (size 2 per dim) used
+    without ``_StridedShard``, whether ``src`` holds a ``Shard``; in DTensor's fallback
+    for an undecodable ``_StridedShard`` (real mesh), whether ``src`` holds a shard-like
+    placement on a mesh dim of size > 1. A ``_StridedShard`` is neither a ``Shard``
+    target nor ``is_shard(d)`` here, as in DTensor.
 
     1-d mesh: one direct step. Otherwise, if ``src`` shards at all (``num_shards > 1``),
     a pass from the innermost mesh dim outwards moves every mesh dim to its target,
