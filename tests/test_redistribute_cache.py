@@ -381,3 +381,25 @@ def test_placements_differ_equals_double_loop():
         assert np.array_equal(got, ref)
     assert placements_differ([], pls).shape == (0, len(pls))
     assert placements_differ([list(pls[1])], [pls[1]]).tolist() == [[False]]
+
+
+def test_record_costs_cached_per_shape_dtype_and_hardware(hw):
+    # interleaved shapes, dtypes and hardware while records are being added: every table
+    # still equals redistribute_us
+    import dataclasses
+
+    clear_caches()
+    slow_hw = dataclasses.replace(hw, hbm_bandwidth=hw.hbm_bandwidth / 3)
+    toks = ["R", "S(0)", "S(1)", "P", "P(avg)"]
+    pls = [pp("".join(c)) for c in itertools.product(toks, repeat=3)]
+    rng = random.Random(5)
+    mesh = (2, 4, 8)
+    for k in range(8):
+        srcs = rng.sample(pls, 15)
+        dsts = rng.sample(pls, 15)
+        shape = [(64, 128), (1000, 33)][k % 2]
+        h = [hw, slow_hw][(k // 2) % 2]
+        _check_table(shape, [2, 4][(k // 4) % 2], srcs, dsts, mesh, h)
+    a = redistribute_table((64, 128), 2, pls[:5], pls[5:9], mesh, hw)
+    b = redistribute_table((64, 128), 2, pls[:5], pls[5:9], mesh, slow_hw)
+    assert (a <= b).all() and (a < b).any()

@@ -996,6 +996,8 @@ class _TableContext:
         self._step_arrays: tuple[np.ndarray, ...] | None = None
         self._record_array: np.ndarray | None = None  # rows of records[:_records_done]
         self._records_done = 0
+        # (shape, itemsize, hardware) -> (n steps, step costs, record costs)
+        self.cost_cache: dict[tuple, tuple[int, np.ndarray, np.ndarray]] = {}
         self.record_id(())  # record 0: equal placements / only free steps
         self.record_id((_ILLEGAL_STEP,))  # record 1: illegal
 
@@ -1301,12 +1303,13 @@ class _TableContext:
 _CONTEXTS: dict[tuple[tuple[int, ...], int], _TableContext] = {}
 
 
-def _step_costs(ctx: _TableContext, shape: tuple[int, ...], itemsize: int, hw: Any) -> np.ndarray:
+def _step_costs(
+    ctx: _TableContext, shape: tuple[int, ...], itemsize: int, hp: _HwParams
+) -> np.ndarray:
     """Cost (µs) of every step of ``ctx`` for a tensor of ``shape``: the arithmetic of
     :func:`_step_us`, vectorised (bit-identical per element)."""
     kind, mdim, div_g, div_l, reshuffle, reshuffle_local = ctx.step_arrays()
     ndim = ctx.ndim
-    hp = _hw_params(hw)
     links = mesh_links(ctx.mesh_shape, hp.gpus_per_node)
     mesh_arr = np.asarray(ctx.mesh_shape, dtype=np.int64)
     link_idx = np.asarray([0 if lk == "intra" else 1 for lk in links], dtype=np.int64)
@@ -1376,20 +1379,35 @@ def redistribute_table(
     si = ctx.intern(srcs, "src")
     di = ctx.intern(dsts, "dst")
     rec = ctx.record_matrix(si, di, shape)
-    step_cost = _step_costs(ctx, shape, int(itemsize), hw)
+    return _record_costs(ctx, shape, int(itemsize), hw)[rec]
+
+
+def _record_costs(ctx: _TableContext, shape: tuple[int, ...], itemsize: int, hw: Any) -> np.ndarray:
+    """Cost (µs) of every record of ``ctx``: its steps' costs summed in plan order, one
+    column at a time (null padding adds an exact 0.0), so each equals
+    :func:`redistribute_us`. Cached per (shape, itemsize, hardware); records added since
+    are costed on the next call (a record's cost never changes)."""
+    hp = _hw_params(hw)
+    key = (shape, itemsize, hp.lat.tobytes(), hp.bw.tobytes(), hp.hbm, hp.gpus_per_node)
     records = ctx.record_array()
-    if 2 * rec.size < len(records):  # cost only the records this table uses
-        used = np.zeros(len(records), dtype=bool)
-        used[rec.ravel()] = True
-        idx = np.flatnonzero(used)
-        remap = np.empty(len(records), dtype=np.intp)
-        remap[idx] = np.arange(len(idx))
-        records = records[idx]
-        rec = remap[rec]
-    rec_cost = step_cost[records[:, 0]]
-    for k in range(1, records.shape[1]):
-        rec_cost = rec_cost + step_cost[records[:, k]]
-    return rec_cost[rec]
+    n_steps = len(ctx.step_rows)
+    hit = ctx.cost_cache.get(key)
+    if hit is not None and hit[0] == n_steps and len(hit[2]) == len(records):
+        return hit[2]
+    if hit is not None and hit[0] == n_steps:
+        step_cost, old = hit[1], hit[2]
+    else:
+        step_cost = _step_costs(ctx, shape, itemsize, hp)
+        old = np.zeros(0) if hit is None else hit[2]
+    new = records[len(old) :]
+    cost = step_cost[new[:, 0]]
+    for k in range(1, new.shape[1]):
+        cost = cost + step_cost[new[:, k]]
+    cost = np.concatenate([old, cost]) if len(old) else cost
+    if len(ctx.cost_cache) >= 256:
+        ctx.cost_cache.clear()
+    ctx.cost_cache[key] = (n_steps, step_cost, cost)
+    return cost
 
 
 def placements_differ(
