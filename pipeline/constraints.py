@@ -55,6 +55,7 @@ class ParamBudget:
     ratios: dict[int, np.ndarray]
     bytes_of: dict[int, int]
     excluded: list[str]
+    high_fraction: float = 0.0
 
 
 def param_ratios(tt: Any, node: int) -> np.ndarray:
@@ -106,7 +107,7 @@ def param_budget(tt: Any, group_of: np.ndarray, domain: np.ndarray, cfg_budget: 
 
         bytes_of[v] = (math.prod(meta["shape"]) if meta["shape"] else 1) * itemsize(meta["dtype"])
     if not params:
-        return ParamBudget(None, low, high, [], {}, {}, excluded)
+        return ParamBudget(None, low, high, [], {}, {}, excluded, high)
     # min_r_p is what the tensor can reach on the mesh, before any pin: a pin that keeps
     # a counted parameter replicated then shows up as an infeasible budget.
     min_r = {p: float(nodes["min_param_ratio"][p]) for p in params}
@@ -117,7 +118,7 @@ def param_budget(tt: Any, group_of: np.ndarray, domain: np.ndarray, cfg_budget: 
         g = int(group_of[p])
         coef[g] = coef.get(g, np.zeros(int(domain[g]))) + ratios[p]
     row = LinearConstraint(name="param_memory", coef=coef, low=lo, high=hi)
-    return ParamBudget(row, lo, hi, params, ratios, bytes_of, excluded)
+    return ParamBudget(row, lo, hi, params, ratios, bytes_of, excluded, high)
 
 
 def check_budget_feasible(budget: ParamBudget, unary: list[np.ndarray], pins: dict) -> None:
@@ -142,7 +143,7 @@ def check_budget_feasible(budget: ParamBudget, unary: list[np.ndarray], pins: di
         raise PlanError(
             f"constraints.param_memory.high={budget_high_text(budget)}: infeasible, the "
             f"placements allowed (pins: {pinned}) reach at best a ratio sum of "
-            f"{reach_min:.6g} > {row.high:.6g}")
+            f"{reach_min:.6g} > {row.high:.6g}; remove the pin or loosen the budget")
     if reach_max < row.low * (1 - 1e-12):
         raise PlanError(
             f"constraints.param_memory.low: infeasible, the allowed placements reach at most "
@@ -150,7 +151,8 @@ def check_budget_feasible(budget: ParamBudget, unary: list[np.ndarray], pins: di
 
 
 def budget_high_text(budget: ParamBudget) -> str:
-    return f"{budget.high:.6g}"
+    """The configured fraction with the ratio-sum bound it gives (for messages)."""
+    return f"{budget.high_fraction:.6g} (ratio-sum bound {budget.high:.6g})"
 
 
 def used_memory(budget: ParamBudget, strategy: np.ndarray) -> dict[str, float]:

@@ -36,6 +36,9 @@ def atomic_path(final: Path | str) -> Iterator[Path]:
     tmp_path = Path(tmp)
     try:
         yield tmp_path
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; artifacts are shared
         os.replace(tmp_path, final)
     finally:
         if tmp_path.exists():

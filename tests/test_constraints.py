@@ -103,7 +103,7 @@ def _fqn_of(tmp: Path, name: str) -> str:
      "constraints.nodes[match=nosuch_node]: matches no node"),
     # A pin on the gradient keeps the (tied) parameter replicated, but the budget counts it.
     (["constraints.nodes=[{match:'output:grad:layers.0.attention.wq.weight',placement:R}]"],
-     "constraints.param_memory.high=2.625: infeasible"),
+     "constraints.param_memory.high=0.125 (ratio-sum bound 2.625): infeasible"),
     (["constraints.nodes=[{match:primals_1,placement:P}]"],
      "Partial"),
 ])
