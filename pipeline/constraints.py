@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.errors import PlanError
-from pipeline.placements import parse_placements
+from pipeline.placements import local_shape, parse_placements
 from pipeline.solvers.mrf import LinearConstraint
 
 
@@ -66,11 +66,7 @@ def param_ratios(tt: Any, node: int) -> np.ndarray:
     full = math.prod(shape) if shape else 1
     out = []
     for text in tt.slist_outputs[tt.nodes["slist"][node]]:
-        loc = list(shape)
-        for md, p in enumerate(parse_placements(text, len(mesh))):
-            if p.is_shard():
-                d = p.dim % len(shape)
-                loc[d] = -(-loc[d] // mesh[md])
+        loc = local_shape(shape, parse_placements(text, len(mesh)), mesh) if shape else ()
         out.append((math.prod(loc) if loc else 1) / full)
     return np.asarray(out, dtype=np.float64)
 

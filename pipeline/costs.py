@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from pipeline import runtime
-from pipeline.placements import parse_output, parse_placements
+from pipeline.placements import local_shape, parse_output, parse_placements
 from pipeline.solvers.mrf import MRF, PairwiseFactor
 from pipeline.topology import TopologyTables, read_topology
 
@@ -68,16 +68,6 @@ def itemsize(dtype: str) -> int:
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
     return dt.itemsize
-
-
-def local_shape(shape: list[int], placements: tuple, mesh_shape: tuple[int, ...]) -> tuple:
-    """Per-device shape: each sharded dim divided (ceil) by its shard count."""
-    out = list(shape)
-    for md, p in enumerate(placements):
-        if p.is_shard() if hasattr(p, "is_shard") else False:
-            d = p.dim % len(shape)
-            out[d] = -(-out[d] // mesh_shape[md])
-    return tuple(out)
 
 
 def _numel(shape: tuple) -> int:

@@ -269,3 +269,16 @@ def parse_output(text: str, ndim: int | None = None) -> list[tuple[Placement, ..
     if not isinstance(text, str):
         raise ValueError(f"output placement text must be a str, got {text!r}")  # noqa: TRY004
     return list(_parse_output_cached(text, ndim))
+
+
+def local_shape(shape: Sequence[int], placements: Sequence[Placement],
+                mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Per-device shape of a tensor: each sharded dim divided (ceil) by the sizes of
+    the mesh dims sharding it (uneven sharding rounds up, as DTensor's largest shard)."""
+    out = list(shape)
+    for md, p in enumerate(placements):
+        if p.is_shard():
+            d = p.dim % len(out)
+            out[d] = -(-out[d] // mesh_shape[md])
+    return tuple(out)
+

@@ -65,7 +65,7 @@ import pyarrow.parquet as pq
 
 from pipeline import runtime
 from pipeline.errors import PlanError
-from pipeline.placements import format_placements, parse_placements
+from pipeline.placements import format_placements, local_shape, parse_placements
 
 log = logging.getLogger(__name__)
 
@@ -903,13 +903,10 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
 
 
 def _local_ratio(shape: list[int], placements: tuple, mesh_shape: tuple[int, ...]) -> float:
-    """Local elements / full elements of a tensor under ``placements`` (ceil division)."""
-    loc = list(shape)
-    for md, p in enumerate(placements):
-        if p.is_shard():
-            d = p.dim % len(shape)
-            loc[d] = -(-loc[d] // mesh_shape[md])
-    return math.prod(loc) / math.prod(shape) if shape else 1.0
+    """Local elements / full elements of a tensor under ``placements``."""
+    if not shape:
+        return 1.0
+    return math.prod(local_shape(shape, placements, mesh_shape)) / math.prod(shape)
 
 
 def find_logits(nodes: list[GNode], flat_outs: list, descs: list) -> int | None:
