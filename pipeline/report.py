@@ -4,6 +4,10 @@
   fields flattened with ``.`` (``phases.solve``, ``counts.groups``, ...).
 * ``results/report/placements.parquet``: one row per (run, node), the union of
   every run's ``solution.parquet``.
+* ``results/report/redistributions.parquet``: one row per (run, graph edge whose
+  placements differ), the union of every run's ``redistributions.parquet``: the
+  src/dst placements, the collectives DTensor would run (``reduce_scatter(dp)``...),
+  bytes and µs.
 
 Both load with pandas, polars or duckdb. Rows are sorted by run directory so
 the files are deterministic for a given set of runs.
@@ -25,6 +29,7 @@ log = logging.getLogger(__name__)
 
 RUNS_FILE = "runs.parquet"
 PLACEMENTS_FILE = "placements.parquet"
+REDISTRIBUTIONS_FILE = "redistributions.parquet"
 _SKIP = ("config", "bound_history")
 
 
@@ -63,11 +68,21 @@ def run_report(results_dir: Path) -> None:
     table = pa.table({k: _column(v) for k, v in cols.items()}) if rows else pa.table({})
     runtime.write_parquet(out / RUNS_FILE, table, metadata={
         "runs": len(rows), "git": runtime.git_revision()})
-    parts = [pq.read_table(p) for p in sorted(results_dir.glob("runs/**/solution.parquet"))]
-    parts = [p.replace_schema_metadata(None) for p in parts]
-    placements = pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
-    runtime.write_parquet(out / PLACEMENTS_FILE, placements, metadata={"runs": len(parts)})
-    log.info("report: %d runs, %d placement rows -> %s", len(rows), placements.num_rows, out)
+    placements = _union(results_dir, "solution.parquet")
+    runtime.write_parquet(out / PLACEMENTS_FILE, placements,
+                          metadata={"runs": len(rows)})
+    redistributions = _union(results_dir, "redistributions.parquet")
+    runtime.write_parquet(out / REDISTRIBUTIONS_FILE, redistributions,
+                          metadata={"runs": len(rows)})
+    log.info("report: %d runs, %d placement rows, %d redistribution rows -> %s", len(rows),
+             placements.num_rows, redistributions.num_rows, out)
+
+
+def _union(results_dir: Path, name: str) -> pa.Table:
+    """Every run's ``name`` table, concatenated in run-directory order."""
+    parts = [pq.read_table(p).replace_schema_metadata(None)
+             for p in sorted(results_dir.glob(f"runs/**/{name}"))]
+    return pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
 
 
 def _column(values: list[Any]) -> pa.Array:

@@ -12,7 +12,8 @@ The lower bound is for the problem *as posed*: the tied groups, all
 constraints, every candidate strategy (no pruning).
 
 Outputs (in the solve directory): ``solution.parquet`` (one row per node: the
-placements table) and ``run.json`` (the run record, written last).
+placements table), ``redistributions.parquet`` (one row per edge whose placements
+differ: the collectives of the plan) and ``run.json`` (the run record, written last).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pipeline.topology import TOPOLOGY_FILE, TopologyTables, read_topology
 log = logging.getLogger(__name__)
 
 SOLUTION_FILE = "solution.parquet"
+REDISTRIBUTIONS_FILE = "redistributions.parquet"
 RUN_FILE = "run.json"
 BOUND_PROBLEM = "as posed (tied groups, all constraints, no candidate pruning)"
 
@@ -48,29 +50,99 @@ def placement_hash(names: list[str], outputs: list[str], inputs: list[list[str]]
     return h.hexdigest()
 
 
-def node_costs(cm: CostModel, strategy: np.ndarray) -> dict[str, np.ndarray]:
+def node_costs(cm: CostModel, strategy: np.ndarray,
+               mesh_names: list[str] | None = None) -> dict[str, Any]:
     """Per-node cost parts of a plan (µs): compute, and over incoming edges the
     redistribution (comm) and transition parts; ``inf`` comm for an illegal edge.
 
     Each edge is costed once for its chosen pair with the scalar
     ``redistribute_us`` (bit-identical to the table entries the solver used).
+    Also returns ``"redistributions"``: one row per graph edge whose producer and
+    consumer placements differ (see :func:`redistribution_table`).
     """
-    from pipeline.costmodel.redistribute import redistribute_us
+    from pipeline.costmodel.redistribute import KINDS, redistribute_steps
     from pipeline.costs import itemsize
+    from pipeline.placements import format_placements
 
+    COLLECTIVES = KINDS[:4]  # noqa: N806 - all_gather, reduce_scatter, all_reduce, all_to_all
+    names = mesh_names or [str(i) for i in range(len(cm.mesh_shape))]
     n = cm.num_nodes
     compute = np.array([cm.unary(v)[strategy[v]] for v in range(n)])
     comm = np.zeros(n)
     trans = np.zeros(n)
+    rows: list[dict[str, Any]] = []
     for u, element, v, a in cm.edges:
         r, srcs = cm.out_classes(u, element)
         c, dsts = cm.in_classes(v, a)
         src, dst = srcs[r[strategy[u]]], dsts[c[strategy[v]]]
         meta = cm.in_metas[v][a]
-        comm[v] += redistribute_us(meta["shape"], itemsize(meta["dtype"]), src, dst,
+        steps = redistribute_steps(meta["shape"], itemsize(meta["dtype"]), src, dst,
                                    cm.mesh_shape, cm.hw)
-        trans[v] += TRANSITION_COST if src != dst else 0.0
-    return {"compute_us": compute, "comm_us": comm, "transition_us": trans}
+        us = math.inf if steps is None else 0.0
+        for st in steps or ():
+            us += st.us
+        comm[v] += us
+        if src != dst:
+            trans[v] += TRANSITION_COST
+            coll = [st for st in steps or () if st.kind in COLLECTIVES]
+            rows.append({
+                "producer": int(u), "element": int(element), "consumer": int(v), "arg": int(a),
+                "shape": [int(x) for x in meta["shape"]], "dtype": str(meta["dtype"]),
+                "src_placement": format_placements(src),
+                "dst_placement": format_placements(dst),
+                "collectives": [f"{st.kind}({names[st.mesh_dim]})" for st in coll],
+                "_collective_steps": coll,
+                "bytes": 0 if steps is None else int(sum(st.bytes for st in steps)),
+                "comm_us": us})
+    return {"compute_us": compute, "comm_us": comm, "transition_us": trans,
+            "redistributions": rows}
+
+
+def redistribution_table(run_id: str, rows: list[dict[str, Any]],
+                         node_names: list[str]) -> pa.Table:
+    """``redistributions.parquet``: one row per graph edge whose producer's output
+    placement differs from the placement the consumer expects.
+
+    Columns: run_id; producer / consumer node ids and names, producer output element
+    and consumer argument index; the tensor's global shape and dtype; src and dst
+    placements (compact notation); ``collectives``, the DTensor redistribute steps
+    that are collectives, in order, each as ``kind(mesh dim name)`` (e.g.
+    ``reduce_scatter(dp)``; an empty list is a local slice or a layout change only);
+    ``bytes`` each device sends (alpha-beta ``S``, summed over steps); ``comm_us``
+    (the same number the solver used; ``inf`` for an illegal pair).
+    """
+    def col(k: str) -> list[Any]:
+        return [r[k] for r in rows]
+
+    return pa.table({
+        "run_id": [run_id] * len(rows),
+        "producer": pa.array(col("producer"), pa.int32()),
+        "producer_name": [node_names[u] for u in col("producer")],
+        "element": pa.array(col("element"), pa.int32()),
+        "consumer": pa.array(col("consumer"), pa.int32()),
+        "consumer_name": [node_names[v] for v in col("consumer")],
+        "arg": pa.array(col("arg"), pa.int32()),
+        "shape": pa.array(col("shape"), pa.list_(pa.int64())),
+        "dtype": pa.array(col("dtype"), pa.string()),
+        "src_placement": pa.array(col("src_placement"), pa.string()),
+        "dst_placement": pa.array(col("dst_placement"), pa.string()),
+        "collectives": pa.array(col("collectives"), pa.list_(pa.string())),
+        "bytes": pa.array(col("bytes"), pa.int64()),
+        "comm_us": pa.array(col("comm_us"), pa.float64()),
+    })
+
+
+def collective_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Count, bytes and µs of the plan's collectives, keyed ``kind(mesh dim)``
+    (e.g. ``reduce_scatter(dp)``), summed per step of every redistribution."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        for name, st in zip(r["collectives"], r["_collective_steps"]):
+            d = out.setdefault(name, {"count": 0, "bytes": 0, "us": 0.0})
+            d["count"] += 1
+            d["bytes"] += int(st.bytes)
+            d["us"] += float(st.us)
+    return dict(sorted(out.items()))
 
 
 def _solve(cfg: Any, mrf: Any, out_dir: Path) -> Any:
@@ -156,8 +228,11 @@ def run_solve(cfg: Any, dirs: Any) -> None:
             lp_bound = lp_lower_bound(mrf, backend=str(cfg.solver.backend))
 
     with timer.phase("report"):
-        record, table = _record(cfg, dirs, tt, mrf, result, lp_bound, timer, fp, budget)
+        record, table, redist = _record(cfg, dirs, tt, mrf, result, lp_bound, timer, fp,
+                                        budget)
     record["phases"]["report"] = timer.seconds["report"]
+    runtime.write_parquet(out_dir / REDISTRIBUTIONS_FILE, redist,
+                          metadata={"run_id": record["run_id"]})
     runtime.write_parquet(out_dir / SOLUTION_FILE, table,
                           metadata={"run_id": record["run_id"],
                                     "placement_hash": record["placement_hash"]})
@@ -192,7 +267,7 @@ def _budget(cfg: Any, tt: TopologyTables, mrf: Any) -> Any:
 
 def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
             lp_bound: float | None, timer: runtime.PhaseTimer, fp: Any, budget: Any = None
-            ) -> tuple[dict[str, Any], pa.Table]:
+            ) -> tuple[dict[str, Any], pa.Table, pa.Table]:
     from pipeline.config import config_hash
     from pipeline.solvers.result import is_certified, relative_gap
 
@@ -200,7 +275,7 @@ def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
     labels = np.asarray(result.labels, dtype=np.int64)
     strategy = labels[gs.group_of]
     cm = fp.cm if fp is not None else CostModel(tt, cfg.hardware, memoise=True)
-    parts = node_costs(cm, strategy)
+    parts = node_costs(cm, strategy, [str(m) for m in cfg.mesh_names])
     nodes = tt.nodes
     names = nodes["name"]
     outs = [tt.slist_outputs[s][k] for s, k in zip(nodes["slist"], strategy.tolist())]
@@ -257,6 +332,7 @@ def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
         "certified": certified,
         "placement_hash": phash,
         "iterations": int(result.iterations),
+        "collectives": collective_summary(parts["redistributions"]),
         "counts": {
             "nodes": topo_counts["nodes"], "edges": topo_counts["edges"],
             "groups": mrf.num_groups, "group_edges": mrf.num_edges,
@@ -301,4 +377,4 @@ def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
         "comm_us": parts["comm_us"],
         "transition_us": parts["transition_us"],
     })
-    return record, table
+    return record, table, redistribution_table(run_id, parts["redistributions"], list(names))

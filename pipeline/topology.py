@@ -301,7 +301,7 @@ class StrategyEnumerator:
         return tm(node.outputs[0])
 
     def _schema(self, op: Any, node: GNode, metas: list[dict], all_placements: bool,
-                first: tuple | None = None) -> Any:
+                pick: dict[int, tuple] | None = None) -> Any:
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 
@@ -311,8 +311,8 @@ class StrategyEnumerator:
             if isinstance(obj, dict) and set(obj) == {"node"}:
                 k = next(counter)
                 meta = metas[k]
-                if first is not None and k == 0:
-                    pls = [first]
+                if pick is not None and k in pick:
+                    pls = [pick[k]]
                 elif all_placements:
                     floating = meta["dtype"] in ("float32", "bfloat16", "float16", "float64")
                     pls = self.placements_of(meta["shape"], partial=floating)
@@ -414,25 +414,62 @@ class StrategyEnumerator:
         """Call the op's full strategy function with every candidate input placement.
 
         Some strategy functions reject particular input placements by raising
-        (e.g. a view that cannot unflatten an unevenly sharded dim). Then the
-        function is called once per candidate placement of the first tensor
-        argument (the others Replicate), and rejected candidates are skipped:
-        they are not strategies DTensor accepts for this op.
+        (e.g. a view that cannot unflatten an unevenly sharded dim), or expect
+        every argument to offer the same number of placements (``nll_loss_backward``
+        zips its arguments' strategies). Then the function is called once per
+        candidate placement of each tensor argument in turn (the others
+        Replicate), and rejected candidates are skipped: they are not strategies
+        DTensor accepts for this op.
+
+        "Follow" strategy functions (``cat``, ``stack``, ...) derive a single
+        strategy from the placements their inputs currently have; offered every
+        candidate at once they answer for one of them. When the all-candidate call
+        gives exactly one OpSpec, the function is also called once per candidate
+        placement (given to every tensor input of the first input's rank) and the
+        union is kept.
         """
         from torch.distributed.tensor._op_schema import OpStrategy, TupleStrategy
 
-        try:
-            schema = self._schema(op, node, metas, all_placements=True)
-            strats = [self.prop.op_strategy_funcs[op](schema)]
-        except Exception:  # noqa: BLE001 - DTensor signals rejected placements by raising
-            strats = []
-            floating = metas[0]["dtype"] in ("float32", "bfloat16", "float16", "float64")
-            for cand in self.placements_of(metas[0]["shape"], partial=floating):
-                schema = self._schema(op, node, metas, all_placements=False, first=cand)
+        func = self.prop.op_strategy_funcs[op]
+        floating = metas[0]["dtype"] in ("float32", "bfloat16", "float16", "float64")
+
+        def floating(meta: dict) -> bool:
+            return meta["dtype"] in ("float32", "bfloat16", "float16", "float64")
+
+        def call_each(picks: Iterator[dict[int, tuple]]) -> list:
+            found = []
+            for pick in picks:
+                schema = self._schema(op, node, metas, all_placements=False, pick=pick)
                 try:
-                    strats.append(self.prop.op_strategy_funcs[op](schema))
+                    found.append(func(schema))
                 except Exception:  # noqa: BLE001 - see above
                     continue
+            return found
+
+        def one_arg_at_a_time() -> Iterator[dict[int, tuple]]:
+            for k, meta in enumerate(metas):
+                for cand in self.placements_of(meta["shape"], partial=floating(meta)):
+                    yield {k: cand}
+
+        def same_rank_together() -> Iterator[dict[int, tuple]]:
+            rank = len(metas[0]["shape"])
+            same = [k for k, m in enumerate(metas) if len(m["shape"]) == rank]
+            for cand in self.placements_of(metas[0]["shape"], partial=floating(metas[0])):
+                yield {k: cand for k in same}
+
+        try:
+            schema = self._schema(op, node, metas, all_placements=True)
+            strats = [func(schema)]
+        except Exception:  # noqa: BLE001 - DTensor signals rejected placements by raising
+            strats = call_each(one_arg_at_a_time())
+        else:
+            if (len(strats) == 1 and isinstance(strats[0], OpStrategy)
+                    and len(strats[0].strategies) == 1 and len(metas) > 0):
+                # A "follow" strategy (cat, stack, ...): DTensor derives ONE strategy
+                # from the inputs' current placements, so offered every candidate at
+                # once it answers for one of them only. Ask once per candidate,
+                # given to every input of the first input's rank, and keep the union.
+                strats += call_each(same_rank_together())
         specs: list = []
         for strat in strats:
             if isinstance(strat, OpStrategy):
@@ -757,7 +794,9 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
             out_metas=n.outputs, args=n.args, kwargs=n.kwargs, graph_idx=n.idx, fqn=n.fqn))
     t_strat = time.perf_counter() - t0
 
-    # The loss is Replicate (DESIGN.md): pin the loss value and add sinks.
+    # The loss is Replicate (DESIGN.md): its sink accepts only Replicate. The op
+    # producing it may output Partial (a batch-sharded mean), and the edge into the
+    # sink then pays the all-reduce, as gradient sinks pay their reduce-scatter.
     out_node = next(n for n in nodes if n.kind == "output")
     param_of = {m.fqn: m.id for m in mnodes if m.role == "param"}
     flat_outs = out_node.args[0] if out_node.args else []
@@ -776,7 +815,6 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
             sink_sl = placeholder_lists.setdefault(("sink", param.slist), sink_sl)
             name, role, layer, tied = f"output:grad:{param.fqn}", "grad", param.layer, param.id
         else:
-            requests.append((src, rep, "loss", format_placements(rep)))
             sink_sl = placeholder_lists.setdefault(("loss",), StrategyList((rep,), ((rep,),)))
             name, role, layer, tied = f"output:{k}", "output", None, None
         mnodes.append(MNode(

@@ -74,7 +74,7 @@ def test_model_presets(name, dim, layers, heads, kv, hidden):
     assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads) == (dim, layers, heads, kv)
     assert ffn_hidden_dim(m.dim, m.ffn_dim_multiplier, m.multiple_of) == hidden
     if name == "toy":
-        assert (m.vocab_size, m.seq_len, m.batch_size) == (1024, 64, 16)
+        assert (m.vocab_size, m.seq_len, m.batch_size) == (1024, 2048, 16)
     else:
         assert (m.vocab_size, m.seq_len, m.batch_size) == (128256, 2048, 16)
         assert m.rope_theta == 500000.0
@@ -470,6 +470,7 @@ def fake_stages(monkeypatch):
         path.write_text(stage)
         if stage == "report":
             (dirs.report / "placements.parquet").write_text(stage)
+            (dirs.report / "redistributions.parquet").write_text(stage)
 
     monkeypatch.setattr(cli, "_call_stage", fake)
     return calls
@@ -532,6 +533,7 @@ def fake(stage, cfg, dirs):
     p = cli.sentinel(dirs, stage); p.parent.mkdir(parents=True, exist_ok=True); p.write_text("x")
     if stage == "report":
         (dirs.report / "placements.parquet").write_text("x")
+        (dirs.report / "redistributions.parquet").write_text("x")
 cli._call_stage = fake
 from pipeline.__main__ import main
 sys.argv = ["pipeline", *sys.argv[1:]]

@@ -90,6 +90,83 @@ def test_no_budget_replicates_parameters(dp8: Path) -> None:
     assert rec["objective"] <= budget_rec["objective"] + 1e-9
 
 
+# Ops that only relay a gradient between the op computing it (mm, the norm's or the
+# embedding's backward) and its sink: the reduction may sit on any of their edges.
+_RELAY_OPS = {"aten.t.default", "aten.view.default", "aten._unsafe_view.default",
+              "aten._to_copy.default", "aten.transpose.int", "getitem", "output"}
+
+
+def _gradient_collectives(tmp: Path, *overrides: str) -> dict[str, tuple[list[str], list]]:
+    """Per parameter fqn: the collectives on the path from the op computing its
+    gradient to the gradient sink, and the (shape, dtype) of each reduced tensor."""
+    cfg = load_resolved(["model=toy", f"results_dir={tmp}", *overrides])
+    solve = Path(stage_dirs(cfg).solve)
+    topo = Path(stage_dirs(cfg).topology)
+    sol = pd.read_parquet(solve / "solution.parquet").set_index("node")
+    edges = pd.read_parquet(topo / "edges.parquet")
+    red = pd.read_parquet(solve / "redistributions.parquet")
+    by_edge = {(r.producer, r.consumer): r for r in red.itertuples()}
+    out = {}
+    for sink in sol[sol.role == "grad"].itertuples():
+        node, colls, tensors = sink.Index, [], []
+        while True:
+            (producer,) = edges[edges.consumer == node].producer.tolist()
+            r = by_edge.get((producer, node))
+            if r is not None:
+                colls += list(r.collectives)
+                tensors.append((tuple(r.shape), r.dtype, r.bytes))
+            node = producer
+            if sol.loc[node, "op"] not in _RELAY_OPS:
+                break
+        out[sink.name.removeprefix("output:grad:")] = (colls, tensors)
+    return out
+
+
+def _numel(shape: tuple) -> int:
+    return math.prod(shape)
+
+
+def test_default_budget_is_fsdp_like(dp8: Path) -> None:
+    """Every weight is stored sharded on dp, all-gathered for use, and its gradient
+    reaches it through one reduce-scatter on dp (ZeRO-3 / FSDP)."""
+    rec, sol = _outputs(dp8, "mesh=8")
+    grads = _gradient_collectives(dp8, "mesh=8")
+    assert len(grads) == 21
+    reduced = []
+    for fqn, (colls, tensors) in grads.items():
+        assert colls == ["reduce_scatter(dp)"], (fqn, colls)
+        (shape, dtype, nbytes), = tensors
+        # reduce-scatter input: the full gradient, n * L = numel elements
+        assert nbytes == _numel(shape) * {"bfloat16": 2, "float32": 4}[dtype], (fqn, tensors)
+        reduced.append(_numel(shape))
+    assert sorted(reduced) == sorted(TOY_PARAMS)
+    coll = rec["collectives"]
+    # one all-gather per parameter (of its sharded storage), one reduce-scatter per
+    # gradient, and the two 0-d loss reductions (loss, total weight: 4 bytes each)
+    assert coll["all_gather(dp)"]["count"] == 21
+    assert coll["reduce_scatter(dp)"]["count"] == 21
+    assert coll["all_reduce(dp)"] == {"count": 2, "bytes": 8, "us": pytest.approx(62.0, abs=1e-3)}
+    assert set(coll) == {"all_gather(dp)", "reduce_scatter(dp)", "all_reduce(dp)"}
+
+
+def test_no_budget_is_ddp_like(dp8: Path) -> None:
+    """Weights replicated, activations batch-sharded, every gradient all-reduced on dp."""
+    rec, sol = _outputs(dp8, "mesh=8", "constraints.param_memory=null")
+    grads = _gradient_collectives(dp8, "mesh=8", "constraints.param_memory=null")
+    reduced = []
+    for fqn, (colls, tensors) in grads.items():
+        assert colls == ["all_reduce(dp)"], (fqn, colls)
+        (shape, dtype, nbytes), = tensors
+        assert nbytes == _numel(shape) * {"bfloat16": 2, "float32": 4}[dtype]
+        reduced.append(_numel(shape))
+    assert sorted(reduced) == sorted(TOY_PARAMS)
+    mm = sol[sol.op == "aten.mm.default"]
+    # forward and activation-gradient matmuls run on batch shards
+    assert (mm.output_placement == "S(0)").sum() >= 14, mm.output_placement.value_counts()
+    assert set(rec["collectives"]) == {"all_reduce(dp)"}
+    assert rec["collectives"]["all_reduce(dp)"]["count"] == 21 + 2
+
+
 def _fqn_of(tmp: Path, name: str) -> str:
     cfg = load_resolved(["model=toy", f"results_dir={tmp}", "mesh=8"])
     nodes = pd.read_parquet(Path(stage_dirs(cfg).topology) / "nodes.parquet")

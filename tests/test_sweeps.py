@@ -196,7 +196,8 @@ def test_a_stage_code_change_reruns_that_stage(tmp_path):
             "from pipeline.config import load_resolved, stage_dirs, STAGES; "
             "from pipeline.cli import SENTINELS; "
             "d = stage_dirs(load_resolved(['model=toy', 'mesh=8'])); "
-            "ps = [d.of(s) / SENTINELS[s] for s in STAGES] + [d.report / 'placements.parquet']; "
+            "ps = [d.of(s) / SENTINELS[s] for s in STAGES] + [d.report / 'placements.parquet', "
+            "d.report / 'redistributions.parquet']; "
             "[(p.parent.mkdir(parents=True, exist_ok=True), p.write_text('x'), "
             "os.utime(p, (1e6 + i, 1e6 + i))) for i, p in enumerate(ps)]")
     # cwd: not the checkout, whose pipeline/ would shadow the copy's (sys.path[0])

@@ -62,7 +62,8 @@ def touch_outputs(workdir: Path, config: dict) -> None:
         dirs = stage_dirs(load_resolved(overrides_from_snakemake(config)))
     finally:
         os.chdir(cwd)
-    paths = [dirs.of(s) / SENTINELS[s] for s in STAGES] + [dirs.report / "placements.parquet"]
+    paths = [dirs.of(s) / SENTINELS[s] for s in STAGES] + [
+        dirs.report / "placements.parquet", dirs.report / "redistributions.parquet"]
     for i, rel in enumerate(paths):
         path = workdir / rel
         path.parent.mkdir(parents=True, exist_ok=True)

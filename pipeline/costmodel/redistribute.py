@@ -82,6 +82,8 @@ __all__ = [
     "normalize_placements",
     "placements_differ",
     "plan",
+    "StepCost",
+    "redistribute_steps",
     "redistribute_table",
     "redistribute_us",
 ]
@@ -894,12 +896,7 @@ def redistribute_us(
     """
     shape = tuple(int(s) for s in shape)
     mesh_shape = tuple(int(s) for s in mesh_shape)
-    _check_inputs(shape, itemsize, mesh_shape)
-    _check_dims(src, len(shape), len(mesh_shape), "src")
-    _check_dims(dst, len(shape), len(mesh_shape), "dst")
-    src_n = normalize_placements(src, len(shape))
-    dst_n = normalize_placements(dst, len(shape))
-    steps = _plan_normalized(src_n, dst_n, mesh_shape, shape)
+    steps = _checked_plan(shape, itemsize, src, dst, mesh_shape)
     if steps is None:
         return math.inf
     if not steps:
@@ -910,6 +907,80 @@ def redistribute_us(
     for step in steps:
         total += _step_us(step, shape, int(itemsize), mesh_shape, links, hp)
     return total
+
+
+def _checked_plan(shape: tuple[int, ...], itemsize: int, src: Sequence[Placement],
+                  dst: Sequence[Placement], mesh_shape: tuple[int, ...]
+                  ) -> tuple[Step, ...] | None:
+    _check_inputs(shape, itemsize, mesh_shape)
+    _check_dims(src, len(shape), len(mesh_shape), "src")
+    _check_dims(dst, len(shape), len(mesh_shape), "dst")
+    src_n = normalize_placements(src, len(shape))
+    dst_n = normalize_placements(dst, len(shape))
+    return _plan_normalized(src_n, dst_n, mesh_shape, shape)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step of a costed redistribution, for reports.
+
+    Attributes:
+        kind: one of :data:`KINDS` (all_gather, reduce_scatter, all_reduce,
+            all_to_all, local_shard, local_partial).
+        mesh_dim: the mesh dim the step runs over.
+        bytes: bytes each device sends into the collective (the ``S`` of the
+            alpha-beta model: ``n * L`` for all-gather / reduce-scatter, ``L`` for
+            all-to-all, ``G`` for all-reduce); 0 for a local op.
+        us: the step's time in µs, collective plus local reshuffle.
+    """
+
+    kind: str
+    mesh_dim: int
+    bytes: int
+    us: float
+
+
+def redistribute_steps(
+    shape: Sequence[int],
+    itemsize: int,
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+    mesh_shape: Sequence[int],
+    hw: Any,
+) -> list[StepCost] | None:
+    """The steps of :func:`redistribute_us` with their kinds, bytes and µs.
+
+    Same arguments and errors as :func:`redistribute_us`; steps over mesh dims of
+    size 1 (which cost nothing) are left out. The ``us`` fields summed in order
+    equal ``redistribute_us`` exactly.
+
+    Returns:
+        ``[]`` if ``src == dst``; ``None`` if DTensor forbids the redistribution.
+    """
+    shape = tuple(int(s) for s in shape)
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    steps = _checked_plan(shape, itemsize, src, dst, mesh_shape)
+    if steps is None:
+        return None
+    hp = _hw_params(hw)
+    links = mesh_links(mesh_shape, hp.gpus_per_node)
+    out = []
+    for step in steps:
+        if mesh_shape[step.mesh_dim] <= 1:
+            continue
+        g, loc = _step_bytes(step, shape, mesh_shape)
+        n = mesh_shape[step.mesh_dim]
+        if step.kind in ("all_gather", "reduce_scatter"):
+            nbytes = n * loc * int(itemsize)
+        elif step.kind == "all_to_all":
+            nbytes = loc * int(itemsize)
+        elif step.kind == "all_reduce":
+            nbytes = g * int(itemsize)
+        else:
+            nbytes = 0
+        out.append(StepCost(step.kind, step.mesh_dim, nbytes,
+                            _step_us(step, shape, int(itemsize), mesh_shape, links, hp)))
+    return out
 
 
 # --------------------------------------------------------------------------- table

@@ -49,8 +49,9 @@ def stage_output(stage):
 
 
 def report_outputs():
-    """Both tables of the report stage."""
-    return [str(PLAN_DIRS.report / "runs.parquet"), str(PLAN_DIRS.report / "placements.parquet")]
+    """The tables of the report stage."""
+    return [str(PLAN_DIRS.report / name) for name in
+            ("runs.parquet", "placements.parquet", "redistributions.parquet")]
 
 
 def stage_params(stage):
