@@ -126,8 +126,11 @@ class SolverConfig:
         max_iters: approx: TRW-S iteration cap (deterministic).
         tol: approx: stop when the lower bound improves by less than this (relative).
         local_search_rounds: approx: rounds of the local-search polish.
-        candidate_limit: approx: keep at most this many labels per group (``None``:
-            no pruning).
+        prune: ilp/lp, and the LP of ``optimality_check``: before building the
+            program, run TRW-S and drop every label whose dual lower bound exceeds
+            the energy of TRW-S's (feasible) plan: exact reduced-cost fixing, the
+            optimum is unchanged (pipeline/solvers/pruning.py). ``False``: the
+            unreduced program.
         time_limit_s: wall-clock safety net in seconds (``None``: off; breaks
             determinism when it triggers).
         backend: ilp/lp: PuLP backend, ``highs`` or ``cbc``.
@@ -139,7 +142,7 @@ class SolverConfig:
     max_iters: int = 500
     tol: float = 1e-7
     local_search_rounds: int = 50
-    candidate_limit: int | None = None
+    prune: bool = True
     time_limit_s: float | None = None
     backend: str = "highs"
     mip_gap: float = 0.0
@@ -595,8 +598,6 @@ def _check_solver(s: Any) -> None:
     need(_is_num(s.tol) and s.tol >= 0, "tol", "allowed a number >= 0")
     need(_is_int(s.local_search_rounds) and s.local_search_rounds >= 0, "local_search_rounds",
          "allowed an integer >= 0")
-    need(s.candidate_limit is None or (_is_int(s.candidate_limit) and s.candidate_limit >= 1),
-         "candidate_limit", "allowed an integer >= 1 or null (no pruning)")
     need(s.time_limit_s is None or (_is_num(s.time_limit_s) and s.time_limit_s > 0),
          "time_limit_s", "allowed a number > 0 or null (no limit)")
     need(s.backend in MIP_BACKENDS, "backend", "allowed " + ", ".join(MIP_BACKENDS))

@@ -30,8 +30,15 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline import runtime
-from pipeline.costs import (COSTS_FILE, FACTORS_FILE, TRANSITION_COST, CostModel, build_mrf,
-                            group_structure, load_factors)
+from pipeline.costs import (
+    COSTS_FILE,
+    FACTORS_FILE,
+    TRANSITION_COST,
+    CostModel,
+    build_mrf,
+    group_structure,
+    load_factors,
+)
 from pipeline.topology import TOPOLOGY_FILE, TopologyTables, read_topology
 
 log = logging.getLogger(__name__)
@@ -145,29 +152,72 @@ def collective_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return dict(sorted(out.items()))
 
 
-def _solve(cfg: Any, mrf: Any, out_dir: Path) -> Any:
-    """Run the configured solver; side rows go to the ILP as rows, to TRW-S through
+def _trws(cfg: Any, mrf: Any, *, label_bounds: bool = False) -> Any:
+    """TRW-S with the configured options; a parameter-memory row goes through
     Lagrangian relaxation (pipeline/solvers/lagrangian.py)."""
+    from pipeline.solvers.trws import solve_trws
+
+    s = cfg.solver
+
+    def trws(m: Any) -> Any:
+        return solve_trws(m, max_iters=int(s.max_iters), tol=float(s.tol),
+                          local_search_rounds=int(s.local_search_rounds),
+                          time_limit_s=s.time_limit_s, label_bounds=label_bounds)
+
+    if mrf.linear_constraints:
+        from pipeline.solvers.lagrangian import solve_with_row
+
+        (row,) = mrf.linear_constraints
+        return solve_with_row(mrf, row, trws)
+    return trws(mrf)
+
+
+def _pruned(mrf: Any, result: Any) -> tuple[Any, dict[str, Any] | None]:
+    """Exact reduced-cost fixing (pipeline/solvers/pruning.py) against ``result``'s
+    plan; the MRF unchanged (and ``None``) when ``result`` has no label bounds or
+    no finite plan."""
+    from pipeline.solvers.pruning import prune
+
+    if result is None or result.label_bounds is None or not math.isfinite(result.objective):
+        return mrf, None
+    start = time.perf_counter()
+    reduced, stats = prune(mrf, result.label_bounds, float(result.objective))
+    return reduced, {
+        "method": "reduced-cost fixing from the TRW-S dual (pipeline/solvers/pruning.py)",
+        "labels_before": stats.labels_before, "labels_after": stats.labels_after,
+        "upper_bound": stats.upper_bound, "tolerance": stats.tolerance,
+        "trws_objective": float(result.objective), "trws_bound": float(result.lower_bound),
+        "seconds": time.perf_counter() - start}
+
+
+def _solve(cfg: Any, mrf: Any, out_dir: Path) -> tuple[Any, dict[str, Any] | None]:
+    """Run the configured solver; returns ``(result, presolve record or None)``.
+
+    approx: TRW-S (side rows by Lagrangian relaxation). ilp/lp: side rows are rows
+    of the program; with ``solver.prune`` TRW-S runs first and its dual bounds
+    remove labels that are in no optimal plan before the program is built.
+    """
     s = cfg.solver
     if s.name == "approx":
-        from pipeline.solvers.trws import solve_trws
-
-        def trws(m: Any) -> Any:
-            return solve_trws(m, max_iters=int(s.max_iters), tol=float(s.tol),
-                              local_search_rounds=int(s.local_search_rounds),
-                              time_limit_s=s.time_limit_s)
-
-        if mrf.linear_constraints:
-            from pipeline.solvers.lagrangian import solve_with_row
-
-            (row,) = mrf.linear_constraints
-            return solve_with_row(mrf, row, trws)
-        return trws(mrf)
+        return _trws(cfg, mrf, label_bounds=bool(cfg.optimality_check and s.prune)), None
     from pipeline.solvers.ilp import solve_ilp
 
-    return solve_ilp(mrf, backend=str(s.backend), relax=s.name == "lp",
-                     time_limit_s=s.time_limit_s, mip_gap=float(s.mip_gap),
-                     threads=int(s.threads), mps_path=out_dir / "model.mps")
+    presolve = None
+    if bool(s.prune):
+        from pipeline.solvers.errors import NoFeasibleLabelingError
+
+        start = time.perf_counter()
+        try:
+            first = _trws(cfg, mrf, label_bounds=True)
+        except NoFeasibleLabelingError:
+            first = None  # TRW-S found no plan: nothing to prune against
+        mrf, presolve = _pruned(mrf, first)
+        if presolve is not None:
+            presolve["seconds"] = time.perf_counter() - start
+    result = solve_ilp(mrf, backend=str(s.backend), relax=s.name == "lp",
+                       time_limit_s=s.time_limit_s, mip_gap=float(s.mip_gap),
+                       threads=int(s.threads), mps_path=out_dir / "model.mps")
+    return result, presolve
 
 
 def _stage_seconds(dirs: Any) -> dict[str, float]:
@@ -214,7 +264,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
             build_factor_seconds = 0.0
     budget = _budget(cfg, tt, mrf)
     start = time.perf_counter()
-    result = _solve(cfg, mrf, out_dir)
+    result, presolve = _solve(cfg, mrf, out_dir)
     solve_wall = time.perf_counter() - start
     lazy_factor = (fp.seconds - build_factor_seconds) if fp is not None else 0.0
     timer.add("factor_build", lazy_factor)
@@ -225,11 +275,15 @@ def run_solve(cfg: Any, dirs: Any) -> None:
         from pipeline.solvers.ilp import lp_lower_bound
 
         with timer.phase("optimality_check"):
-            lp_bound = lp_lower_bound(mrf, backend=str(cfg.solver.backend))
+            lp_mrf = mrf
+            if cfg.solver.name == "approx" and bool(cfg.solver.prune):
+                lp_mrf, presolve = _pruned(mrf, result)
+            lp_bound = lp_lower_bound(lp_mrf, backend=str(cfg.solver.backend))
 
     with timer.phase("report"):
         record, table, redist = _record(cfg, dirs, tt, mrf, result, lp_bound, timer, fp,
                                         budget)
+        record["presolve"] = presolve
     record["phases"]["report"] = timer.seconds["report"]
     runtime.write_parquet(out_dir / REDISTRIBUTIONS_FILE, redist,
                           metadata={"run_id": record["run_id"]})

@@ -84,7 +84,7 @@ def test_model_presets(name, dim, layers, heads, kv, hidden):
 def test_solver_presets():
     approx = load_resolved(["solver=approx"]).solver
     assert (approx.max_iters, approx.tol, approx.local_search_rounds) == (500, 1e-7, 50)
-    assert approx.candidate_limit is None and approx.time_limit_s is None
+    assert approx.prune is True and approx.time_limit_s is None
     for name in ("ilp", "lp"):
         s = load_resolved([f"solver={name}"]).solver
         assert (s.backend, s.time_limit_s, s.mip_gap, s.threads) == ("highs", None, 0.0, 1)

@@ -46,6 +46,11 @@ class SolverResult:
         bound_history: lower bound (µs) after each iteration.
         solve_seconds: wall time of the solve in seconds.
         extra: solver-specific diagnostics (JSON-serialisable values).
+        label_bounds: optional per-group float64 ``[K_g]`` arrays: entry ``k`` of
+            group ``g`` is a lower bound (µs) on ``E(x)`` over every labelling
+            with ``x_g = k`` that satisfies the MRF's linear constraints
+            (:func:`pipeline.solvers.pruning.label_bounds`); ``None`` if not
+            computed. Used for exact reduced-cost fixing before an ILP/LP.
     """
 
     labels: np.ndarray
@@ -57,6 +62,7 @@ class SolverResult:
     bound_history: list[float] = field(default_factory=list)
     solve_seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    label_bounds: list[np.ndarray] | None = field(default=None, repr=False)
 
     @property
     def gap(self) -> float:

@@ -213,6 +213,7 @@ def solve_trws(
     progress: ProgressFn | None = None,
     order: str | np.ndarray = "auto",
     max_levels: int = 128,
+    label_bounds: bool = False,
 ) -> SolverResult:
     """Minimise ``E`` with TRW-S, then polish the best labelling by local search.
 
@@ -237,6 +238,10 @@ def solve_trws(
             TRW-S schedule (monotone bound); it changes the chains, hence the
             trajectory, and the speed (one level = one batch of numpy calls).
         max_levels: level budget of ``order="auto"``.
+        label_bounds: also return ``result.label_bounds``: per group and label a
+            lower bound on ``E`` over labellings using that label, from the final
+            messages (:func:`pipeline.solvers.pruning.label_bounds`); one extra
+            pass over the tables.
 
     Returns:
         :class:`SolverResult` with ``lower_bound_source="trws"`` and status
@@ -302,6 +307,7 @@ def solve_trws(
                 stop = "time_limit"
                 break
     energy_trws = best_energy
+    bounds = _label_bounds(cm, buf) if label_bounds else None
     labels = cm.to_external(best_labels)
     t_polish = time.perf_counter()
     if local_search_rounds > 0 and cm.num_edges:
@@ -333,4 +339,26 @@ def solve_trws(
             "compile_seconds": t_compiled - t0,
             "local_search_seconds": t_polished - t_polish,
         },
+        label_bounds=bounds,
     )
+
+
+def _label_bounds(cm: CompiledMRF, buf: np.ndarray) -> list[np.ndarray]:
+    """Per-label lower bounds (external group order) from the current messages.
+
+    The forward message of edge ``e`` (into ``v``, ``C_e`` values) and its backward
+    message (into ``u``, ``R_e`` values) are the reparametrisation vectors of
+    :func:`pipeline.solvers.pruning.label_bounds`; with all-zero messages (no
+    edges, or before any pass) the bounds are those of the plain energy.
+    """
+    from pipeline.solvers.pruning import label_bounds
+
+    n_edges = cm.num_edges
+    row = [buf[cm.slot_b[e]: cm.slot_b[e] + cm.R[e]] for e in range(n_edges)]
+    col = [buf[cm.slot_f[e]: cm.slot_f[e] + cm.C[e]] for e in range(n_edges)]
+    internal = label_bounds(cm.unary, cm.edges, cm.rcls, cm.ccls, cm.tables, row, col,
+                            cm.constant)
+    out: list[np.ndarray] = [np.zeros(0)] * cm.num_groups
+    for s_int, b in enumerate(internal):
+        out[int(cm.order[s_int])] = b
+    return out
