@@ -224,6 +224,8 @@ def test_bad_input_load_config(case):
     (["solver=ilp,lp"], "solver=ilp,lp: a list of values is a sweep"),
     (["constraints.inputs=P(avg)RR"], "constraints.inputs=P(avg)RR: Partial"),
     (["constraints.inputs=S(0)R"], "constraints.inputs=S(0)R: invalid placement"),
+    (["constraints.nodes=[{match:primals_1,placement:'S(0)R'}]"],
+     "constraints.nodes.0.placement=S(0)R: invalid placement 'S(0)R': 2 token(s) for a 3-d mesh"),
     (["constraints.nodes=[{match:x}]"], "constraints.nodes.0.placement: missing value"),
     (["constraints.param_memory.low=0.5", "constraints.param_memory.high=0.25"],
      "constraints.param_memory.high=0.25: allowed a fraction"),
