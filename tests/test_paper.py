@@ -85,11 +85,11 @@ def test_paper_toy_is_the_default_and_defines_the_run_sets(toy_experiment):
     assert sorted(evl) == sorted((m, lazy, "approx") for m in ((8,), (2, 4), (2, 4, 8))
                                  for lazy in (True, False))
     assert {(tuple(r.cfg.mesh), r.cfg.solver.name) for r in sets["solvers"]} == {
-        ((8,), "approx"), ((8,), "ilp"), ((2, 4), "approx"), ((2, 4), "ilp")}
+        (m, solver) for m in ((8,), (2, 4), (2, 4, 8)) for solver in ("approx", "ilp")}
     assert [r.cfg.model.n_layers for r in sets["depth"]] == [2, 4, 8]
     assert all(r.cfg.model.name == "toy" for r in exp.runs())
-    # runs shared between sets are one run: 6 + 2 ilp + 2 deeper models
-    assert len(exp.runs()) == 10
+    # runs shared between sets are one run: 6 + 3 ilp + 2 deeper models
+    assert len(exp.runs()) == 11
     assert exp.table_mesh == "2x4x8"
 
 
@@ -229,7 +229,7 @@ def test_build_paper_from_a_synthetic_table(toy_experiment, tmp_path, monkeypatc
     side = json.loads((exp.out_dir / "eager_vs_lazy.provenance.json").read_text())
     assert side["run_ids"] == meta["run_ids"]
     summary = json.loads((exp.out_dir / "provenance.json").read_text())
-    assert len(summary["run_ids"]) == 10 and summary["table_mesh"] == "2x4x8"
+    assert len(summary["run_ids"]) == 11 and summary["table_mesh"] == "2x4x8"
     assert set(summary["run_sets"]) == set(paper.RUN_SETS)
 
 
@@ -239,7 +239,7 @@ def test_figure_footer_names_the_configs(toy_experiment):
     depth = paper.select_runs(runs, [r.key for r in toy_experiment.sets["depth"]], "depth")
     text = paper.describe_runs(depth)
     assert text.startswith("model toy (2 layers, dim 256), toy (4 layers, dim 256), "
-                           "toy (8 layers, dim 256); hardware h100; mesh 2x4; solver approx; "
+                           "toy (8 layers, dim 256); hardware h100; mesh 2x4x8; solver approx; "
                            "costs lazy")
     assert all(rid in text for rid in depth["run_id"]) and GIT[:8] in text
 
@@ -256,9 +256,9 @@ def jobs_of(out: str) -> dict[str, int]:
 def test_snakemake_paper_plans_every_run_once(tmp_path):
     code, out, err = snakemake(tmp_path, "-n", "paper")
     assert code == 0, err
-    # 3 traces (2, 4, 8 layers), 5 topologies, 8 cost dirs, 10 runs, 1 paper
+    # 3 traces (2, 4, 8 layers), 5 topologies, 8 cost dirs, 11 runs, 1 paper
     assert jobs_of(out) == {"paper_trace": 3, "paper_topology": 5, "paper_costs": 8,
-                            "paper_solve": 10, "paper": 1}
+                            "paper_solve": 11, "paper": 1}
     assert "results/paper/paper_toy/eager_vs_lazy.md" in out
     assert not (tmp_path / "results").exists()
 
@@ -269,7 +269,7 @@ def test_snakemake_paper_uses_the_main_rules_for_the_config_run(tmp_path):
     assert code == 0, err
     assert jobs_of(out) == {"trace": 1, "topology": 1, "costs": 1, "solve": 1,
                             "paper_trace": 2, "paper_topology": 4, "paper_costs": 7,
-                            "paper_solve": 9, "paper": 1}
+                            "paper_solve": 10, "paper": 1}
 
 
 def test_snakemake_paper_bad_experiment_is_one_line(tmp_path):
