@@ -56,7 +56,8 @@ A case that exits non-zero (or is killed by ``--timeout``) gets a row with statu
 exits with 1 at the end. Ctrl-C or SIGTERM kills the running case (it runs in its own
 process group), records it as ``Error`` (interrupted), keeps the tables and exits with
 130 / 143. A bad ``--suite`` or ``--only`` prints one line and exits 2.
-Progress: one line per case on stderr.
+Progress: one line per case on stderr; on a terminal also a bar over the cases
+(pipeline/progress.py). The cases run with ``PIPELINE_PROGRESS=0``: no bars in their logs.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline import runtime
+from pipeline import progress, runtime
 
 __all__ = ["COLUMNS", "SUITES", "Case", "Suite", "machine_info", "main", "run_case",
            "run_suite"]
@@ -275,6 +276,7 @@ def _mtimes(dirs: Any) -> dict[str, int | None]:
 
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
+    env[progress.ENV_VAR] = "0"  # a case's stderr is a log file: no progress bars in it
     root = str(runtime.PROJECT_ROOT)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -537,8 +539,15 @@ def run_suite(suite: Suite, selected: list[tuple[int, Case]], out: Path, fresh: 
     rows: list[dict[str, Any]] = []
     failed = 0
     n = len(selected)
+    # On a terminal a bar over the cases (pipeline/progress.py), the per-case lines
+    # printed above it; elsewhere each line is written in two parts, as the case runs.
+    cases_bar = progress.bar(total=n, desc=f"bench {suite.name}", unit="case", delay=0)
     for k, (index, case) in enumerate(selected, 1):
-        print(f"[{k}/{n}] #{index} {case.label}: ", end="", file=sys.stderr, flush=True)
+        head = f"[{k}/{n}] #{index} {case.label}: "
+        if cases_bar.disable:
+            print(head, end="", file=sys.stderr, flush=True)
+        else:
+            cases_bar.set_postfix_str(f"#{index} {case.label}")
         if fresh:
             results_dir = out / "fresh" / suite.name / f"{index:02d}-{case.slug}"
             if results_dir.exists():
@@ -553,17 +562,25 @@ def run_suite(suite: Suite, selected: list[tuple[int, Case]], out: Path, fresh: 
             row.update(case_index=index, case=case.label, status="Error",
                        error="interrupted (the runner was stopped)")
             rows.append(row)
+            if not cases_bar.disable:  # the head of the line was not printed yet
+                cases_bar.close()
+                print(head, end="", file=sys.stderr)
             print("interrupted", file=sys.stderr, flush=True)
             meta["finished"], meta["load_end"] = _now(), _load_1m()
             _write_outputs(out, suite, rows, meta)
             raise
         failed += row["status"] == "Error"
         rows.append(row)
-        print(_progress(k, n, row), file=sys.stderr, flush=True)
+        if cases_bar.disable:
+            print(_progress(k, n, row), file=sys.stderr, flush=True)
+        else:
+            cases_bar.write(head + _progress(k, n, row), file=sys.stderr)
+            cases_bar.update()
         meta["complete"] = k == n
         meta["finished"] = _now()
         meta["load_end"] = _load_1m()
         _write_outputs(out, suite, rows, meta)
+    cases_bar.close()
     print(f"{suite.name}: {n - failed} of {n} cases ok -> {out / (suite.name + '.md')}",
           file=sys.stderr)
     return 1 if failed else 0

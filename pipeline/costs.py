@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import runtime
+from pipeline import progress, runtime
 from pipeline.placements import local_shape, parse_output, parse_placements
 from pipeline.solvers.mrf import MRF, PairwiseFactor
 from pipeline.topology import TopologyTables, read_topology
@@ -385,7 +385,11 @@ class FactorProvider:
         return f
 
     def materialise_all(self) -> list[PairwiseFactor]:
-        return [self.factor(e) for e in range(len(self.gs.edge_members))]
+        """Every group factor, in group-edge order (eager costs); a progress bar on a
+        terminal (pipeline/progress.py)."""
+        edges = range(len(self.gs.edge_members))
+        with progress.bar(edges, desc="costs: factors", unit="factor") as bar:
+            return [self.factor(e) for e in bar]
 
 
 def build_mrf(tt: TopologyTables, hw: Any, lazy: bool) -> tuple[MRF, FactorProvider]:

@@ -18,18 +18,21 @@ differ: the collectives of the plan) and ``run.json`` (the run record, written l
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from pipeline import runtime
+from pipeline import progress, runtime
 from pipeline.costs import (
     COSTS_FILE,
     FACTORS_FILE,
@@ -152,24 +155,58 @@ def collective_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return dict(sorted(out.items()))
 
 
-def _trws(cfg: Any, mrf: Any, *, label_bounds: bool = False) -> Any:
+@contextlib.contextmanager
+def _lazy_factor_progress(mrf: Any, fp: Any) -> Iterator[Any]:
+    """Yield ``mrf`` with a ``factor`` that advances a progress bar while the lazy
+    factors are built (on a terminal only, pipeline/progress.py); the bar closes when
+    every group factor exists. Values and call order are unchanged."""
+    if fp is None or not progress.enabled():
+        yield mrf
+        return
+    stats = fp.cm.stats
+    start = stats.group_factors
+    todo = mrf.num_edges - start
+    with progress.bar(total=todo, desc="solve: factors (lazy)", unit="factor") as bar:
+        def factor(e: int) -> Any:
+            f = fp.factor(e)
+            if not bar.disable:  # disabled once closed
+                bar.update(stats.group_factors - start - bar.n)
+                if bar.n >= todo:
+                    bar.close()
+            return f
+
+        yield dataclasses.replace(mrf, factor=factor)
+
+
+def _trws(cfg: Any, mrf: Any, *, label_bounds: bool = False, fp: Any = None) -> Any:
     """TRW-S with the configured options; a parameter-memory row goes through
-    Lagrangian relaxation (pipeline/solvers/lagrangian.py)."""
+    Lagrangian relaxation (pipeline/solvers/lagrangian.py). ``fp``: the lazy factor
+    provider behind ``mrf`` (for its progress bar), else None."""
     from pipeline.solvers.trws import solve_trws
 
     s = cfg.solver
 
     def trws(m: Any) -> Any:
-        return solve_trws(m, max_iters=int(s.max_iters), tol=float(s.tol),
-                          local_search_rounds=int(s.local_search_rounds),
-                          time_limit_s=s.time_limit_s, label_bounds=label_bounds)
+        with progress.BoundProgress(int(s.max_iters)) as bound_bar:
+            return solve_trws(m, max_iters=int(s.max_iters), tol=float(s.tol),
+                              local_search_rounds=int(s.local_search_rounds),
+                              time_limit_s=s.time_limit_s, progress=bound_bar,
+                              label_bounds=label_bounds)
 
     if mrf.linear_constraints:
         from pipeline.solvers.lagrangian import solve_with_row
 
         (row,) = mrf.linear_constraints
-        return solve_with_row(mrf, row, trws)
-    return trws(mrf)
+        with progress.CallbackBar("solve: Lagrangian", unit="solve", delay=0) as row_bar:
+            def row_progress(solves: int, lam: float, value: float, ok: bool) -> None:
+                if solves >= 2:  # a multiplier search: the first solve was infeasible
+                    row_bar.update_to(solves, f"lambda={lam:.3g} row={value:.4g} "
+                                              f"{'feasible' if ok else 'infeasible'}")
+
+            with _lazy_factor_progress(mrf, fp) as m:
+                return solve_with_row(m, row, trws, progress=row_progress)
+    with _lazy_factor_progress(mrf, fp) as m:
+        return trws(m)
 
 
 def _pruned(mrf: Any, result: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -190,16 +227,18 @@ def _pruned(mrf: Any, result: Any) -> tuple[Any, dict[str, Any] | None]:
         "seconds": time.perf_counter() - start}
 
 
-def _solve(cfg: Any, mrf: Any, out_dir: Path) -> tuple[Any, dict[str, Any] | None]:
+def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
+           ) -> tuple[Any, dict[str, Any] | None]:
     """Run the configured solver; returns ``(result, presolve record or None)``.
 
     approx: TRW-S (side rows by Lagrangian relaxation). ilp/lp: side rows are rows
     of the program; with ``solver.prune`` TRW-S runs first and its dual bounds
     remove labels that are in no optimal plan before the program is built.
+    ``fp``: the lazy factor provider behind ``mrf`` (progress bar), else None.
     """
     s = cfg.solver
     if s.name == "approx":
-        return _trws(cfg, mrf, label_bounds=bool(cfg.optimality_check and s.prune)), None
+        return _trws(cfg, mrf, label_bounds=bool(cfg.optimality_check and s.prune), fp=fp), None
     from pipeline.solvers.ilp import solve_ilp
 
     presolve = None
@@ -264,7 +303,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
             build_factor_seconds = 0.0
     budget = _budget(cfg, tt, mrf)
     start = time.perf_counter()
-    result, presolve = _solve(cfg, mrf, out_dir)
+    result, presolve = _solve(cfg, mrf, out_dir, fp)
     solve_wall = time.perf_counter() - start
     lazy_factor = (fp.seconds - build_factor_seconds) if fp is not None else 0.0
     timer.add("factor_build", lazy_factor)

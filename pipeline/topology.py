@@ -63,7 +63,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import runtime
+from pipeline import progress, runtime
 from pipeline.errors import PlanError
 from pipeline.placements import format_placements, local_shape, parse_placements
 
@@ -751,7 +751,7 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
             placeholder_lists[key] = StrategyList(tuple(pls), tuple(() for _ in pls))
         return placeholder_lists[key]
 
-    for n in nodes:
+    for n in progress.bar(nodes, desc="topology: strategies", unit="node"):
         if n.kind == "output":
             continue
         metas = []

@@ -75,22 +75,37 @@ def _penalised(mrf: MRF, row: LinearConstraint, lam: float) -> MRF:
     return replace(mrf, unary=unary, linear_constraints=[])
 
 
+RowProgressFn = Callable[[int, float, float, bool], None]
+
+
 def solve_with_row(mrf: MRF, row: LinearConstraint, solve: Callable[[MRF], SolverResult], *,
-                   bisect_steps: int = 8, max_doublings: int = 40) -> SolverResult:
+                   bisect_steps: int = 8, max_doublings: int = 40,
+                   progress: RowProgressFn | None = None) -> SolverResult:
     """Minimise E subject to ``row`` with ``solve`` (e.g. TRW-S) as the inner solver.
 
+    ``progress``, if given, is called after every inner solve as
+    ``progress(inner_solves, multiplier, row_value, feasible)`` (multiplier signed, 0
+    for the unpenalised first solve); it only observes.
     ``result.extra`` gains ``multiplier`` (final lambda, signed), ``row_value``,
     ``inner_solves``, ``tight_row`` and ``repaired``. If every inner solve returned
     ``label_bounds``, ``result.label_bounds`` holds their entrywise maximum, each
     shifted by ``-s*lambda*T`` (valid for every labelling satisfying the row).
     Raises NoFeasibleLabelingError when even the repair cannot satisfy the row.
     """
+    def report(lam: float, res: SolverResult) -> bool:
+        value = row_value(row, res.labels)
+        ok = _feasible(row, value)
+        if progress is not None:
+            progress(solves, lam, value, ok)
+        return ok
+
     base = replace(mrf, linear_constraints=[])
     base, tight = tighten(base, row)
     first = solve(base)
     solves = 1
     bounds = _Bounds(first.label_bounds)
     value = row_value(row, first.labels)
+    report(0.0, first)
     if _feasible(row, value):
         return _finish(mrf, first, first.lower_bound, 0.0, value, solves, tight, False,
                        bounds.value)
@@ -107,7 +122,7 @@ def solve_with_row(mrf: MRF, row: LinearConstraint, solve: Callable[[MRF], Solve
         best_bound = max(best_bound, res.lower_bound - sign * hi * target)
         bounds.add(res.label_bounds, -sign * hi * target)
         last = res
-        if _feasible(row, row_value(row, res.labels)):
+        if report(sign * hi, res):
             best = res
             break
         lo, hi = hi, hi * 2.0
@@ -120,7 +135,7 @@ def solve_with_row(mrf: MRF, row: LinearConstraint, solve: Callable[[MRF], Solve
             solves += 1
             best_bound = max(best_bound, res.lower_bound - sign * mid * target)
             bounds.add(res.label_bounds, -sign * mid * target)
-            if _feasible(row, row_value(row, res.labels)):
+            if report(sign * mid, res):
                 hi = mid
                 if mrf.evaluate(res.labels) <= mrf.evaluate(best.labels):
                     best, lam = res, mid
