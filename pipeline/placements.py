@@ -193,7 +193,9 @@ def _token_to_placement(m: re.Match) -> Placement:
 
 @functools.lru_cache(maxsize=1 << 16)
 def parse_placements(text: str, ndim: int | None = None) -> tuple[Placement, ...]:
-    """Parse compact notation into a placement tuple, e.g. ``"S(0)R"`` -> ``(Shard(0), Replicate())``.
+    """Parse compact notation into a placement tuple.
+
+    Example: ``"S(0)R"`` -> ``(Shard(0), Replicate())``.
 
     Args:
         text: tokens, one per mesh dim (whitespace ignored).

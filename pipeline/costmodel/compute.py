@@ -74,7 +74,8 @@ def _resolve_name(name: str) -> Any:
     parts = text.split(".")
     if len(parts) < 2:
         raise ValueError(
-            f"cannot resolve op {name!r}: expected 'namespace.op[.overload]', e.g. 'aten.mm.default'"
+            f"cannot resolve op {name!r}: expected 'namespace.op[.overload]', "
+            "e.g. 'aten.mm.default'"
         )
     obj: Any = torch.ops
     try:
@@ -107,7 +108,8 @@ def resolve_op(op: Any) -> Any:
     """Turn ``op`` into an ``OpOverload`` where possible.
 
     Accepts an ``OpOverload`` (returned as is), an ``OpOverloadPacket`` (its
-    ``.default``, or its first tensor-returning overload), or a string such as ``"aten.mm.default"`` / ``"torch.ops.aten.mm"``.
+    ``.default``, or its first tensor-returning overload), or a string such as
+    ``"aten.mm.default"`` / ``"torch.ops.aten.mm"``.
     Anything else (``operator.getitem``, a higher-order op, ...) is returned unchanged.
 
     Raises:

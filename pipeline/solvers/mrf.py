@@ -28,8 +28,8 @@ Problem (DESIGN.md, "Words")::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -52,7 +52,7 @@ class PairwiseFactor:
         """Return the dense ``[K_u, K_v]`` matrix (for tests and small ILPs)."""
         return self.table[np.ix_(self.row_cls, self.col_cls)]
 
-    def transposed(self) -> "PairwiseFactor":
+    def transposed(self) -> PairwiseFactor:
         """The same factor seen from ``v`` to ``u``."""
         return PairwiseFactor(self.col_cls, self.row_cls, np.ascontiguousarray(self.table.T))
 
