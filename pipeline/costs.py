@@ -29,7 +29,10 @@ Eager: every factor is computed here, one table per graph edge, and written to
 ``factors.npz``. Lazy: only the resolved cost model (``costs.json``) is
 written; the solver asks for a group factor on first use, and edge tables are
 memoised by signature (shape, dtype, placement classes), so the copies of a
-repeated layer share one table.
+repeated layer share one table. A lazy group factor gathers one member edge per
+edge class (:meth:`CostModel.edge_classes`) and adds it once per member, in
+graph-edge order, so its cost grows with depth only by those additions and the
+values equal the eager ones bit for bit.
 """
 
 from __future__ import annotations
@@ -104,21 +107,23 @@ class CostModel:
         self.num_nodes = len(n["id"])
         self.target = n["target"]
         self.slist = n["slist"]
-        self.in_metas = [json.loads(x) for x in n["in_metas"]]
-        self.out_metas = [json.loads(x) for x in n["out_metas"]]
+        # The copies of a repeated layer have equal metadata texts: decode each distinct
+        # text once and share the (read-only) result.
+        self._in_metas_text = n["in_metas"]
+        self._out_metas_text = n["out_metas"]
+        self.in_metas = _decode_shared(self._in_metas_text)
+        self.out_metas = _decode_shared(self._out_metas_text)
         self.args = n["args"]
         self.kwargs = n["kwargs"]
-        # Memo keys: arguments with node references blanked (tensor args are described
-        # by in_metas), so the copies of a repeated layer share one unary vector.
-        self._sig_args = [_REF_RE.sub('{"node": 0}', a) for a in self.args]
-        self._sig_kwargs = [_REF_RE.sub('{"node": 0}', a) for a in self.kwargs]
         self.stats = FactorStats()
         self._out_cls: dict[tuple[int, int], tuple[np.ndarray, list]] = {}
         self._in_cls: dict[tuple[int, int], tuple[np.ndarray, list]] = {}
         self._unary_memo: dict[str, np.ndarray] = {}
+        self._unary_of: list[np.ndarray | None] = [None] * self.num_nodes
         self._table_memo: dict[tuple, np.ndarray] = {}
         e = tt.edges
         self.edges = list(zip(e["producer"], e["element"], e["consumer"], e["arg"]))
+        self._edge_cls: np.ndarray | None = None
 
     # -- classes ----------------------------------------------------------------------------
 
@@ -148,17 +153,24 @@ class CostModel:
 
     def unary(self, node: int) -> np.ndarray:
         """Compute cost ``U_v`` (µs) per strategy of ``node``, float64 [K]."""
-        k = len(self.tt.slist_outputs[self.slist[node]])
+        hit = self._unary_of[node]
+        if hit is not None:
+            return hit
         target = self.target[node]
         if target in _NO_COMPUTE:
-            return np.zeros(k)
-        key = "|".join((target, self._sig_args[node], self._sig_kwargs[node],
-                        json.dumps(self.in_metas[node]), json.dumps(self.out_metas[node]),
+            return np.zeros(len(self.tt.slist_outputs[self.slist[node]]))
+        # Memo key: the arguments with node references blanked (tensor arguments are
+        # described by the metadata texts), so the copies of a repeated layer share one
+        # vector.
+        key = "|".join((target, _REF_RE.sub('{"node": 0}', self.args[node]),
+                        _REF_RE.sub('{"node": 0}', self.kwargs[node]),
+                        self._in_metas_text[node], self._out_metas_text[node],
                         str(self.slist[node])))
         hit = self._unary_memo.get(key)
         if hit is None:
             hit = self._unary_memo[key] = self._unary_uncached(node)
             self.stats.unary_vectors += 1
+        self._unary_of[node] = hit
         return hit
 
     def _unary_uncached(self, node: int) -> np.ndarray:
@@ -213,6 +225,26 @@ class CostModel:
 
     # -- pairwise ---------------------------------------------------------------------------
 
+    def _edge_key(self, e: int) -> tuple:
+        u, element, v, a = self.edges[e]
+        meta = self.in_metas[v][a]
+        return (tuple(meta["shape"]), meta["dtype"], self.slist[u], element, self.slist[v], a)
+
+    def edge_classes(self) -> np.ndarray:
+        """Class id per graph edge, int64 ``[E]``, numbered by first occurrence.
+
+        Two edges are in one class when they carry a tensor of the same shape and
+        dtype between the same producer strategy list and output element and the same
+        consumer strategy list and argument (the copies of a repeated layer): then
+        :meth:`edge_table` gives them equal ``(row_cls, col_cls, table)``.
+        """
+        if self._edge_cls is None:
+            index: dict[tuple, int] = {}
+            self._edge_cls = np.fromiter(
+                (index.setdefault(self._edge_key(e), len(index)) for e in range(len(self.edges))),
+                dtype=np.int64, count=len(self.edges))
+        return self._edge_cls
+
     def edge_table(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(row_cls [K_u], col_cls [K_v], table [R, C])`` of graph edge ``e`` (µs)."""
         from pipeline.costmodel.redistribute import placements_differ, redistribute_table
@@ -221,7 +253,7 @@ class CostModel:
         row_cls, srcs = self.out_classes(u, element)
         col_cls, dsts = self.in_classes(v, a)
         meta = self.in_metas[v][a]
-        key = (tuple(meta["shape"]), meta["dtype"], self.slist[u], element, self.slist[v], a)
+        key = self._edge_key(e)
         table = self._table_memo.get(key) if self.memoise else None
         if table is None:
             table = redistribute_table(meta["shape"], itemsize(meta["dtype"]), srcs, dsts,
@@ -232,6 +264,19 @@ class CostModel:
             if self.memoise:
                 self._table_memo[key] = table
         return row_cls, col_cls, table
+
+
+def _decode_shared(texts: list[str]) -> list[Any]:
+    """``json.loads`` of each text, decoding each distinct text once (the results are
+    shared between equal texts: read them, never modify them)."""
+    memo: dict[str, Any] = {}
+    out = []
+    for t in texts:
+        hit = memo.get(t)
+        if hit is None:
+            hit = memo[t] = json.loads(t)
+        out.append(hit)
+    return out
 
 
 def _classes(texts: list[str], ndim: int) -> tuple[np.ndarray, list]:
@@ -361,22 +406,40 @@ class FactorProvider:
         if hit is not None:
             return hit
         start = time.perf_counter()
+        members = self.gs.edge_members[ge]
+        # Distinct member edges: with memoised costs, one per (edge class, flipped), so
+        # the copies of a repeated layer are gathered once; eager costs keep one per
+        # graph edge (its own table), so lazy == eager checks the class key. Dropping
+        # repeated class columns leaves the joint classes (np.unique over rows, in
+        # lexicographic order) and their order unchanged.
+        if self.cm.memoise:
+            cls = self.cm.edge_classes()
+            slot: dict[tuple[int, bool], int] = {}
+            seq = [slot.setdefault((int(cls[e]), flipped), len(slot)) for e, flipped in members]
+            distinct = [None] * len(slot)
+            for (e, flipped), k in zip(members, seq):
+                if distinct[k] is None:
+                    distinct[k] = (e, flipped)
+        else:
+            seq = list(range(len(members)))
+            distinct = list(members)
         rows, cols, tables = [], [], []
-        for e, flipped in self.gs.edge_members[ge]:
+        for e, flipped in distinct:
             r, c, t = self.cm.edge_table(e)
             if flipped:
                 r, c, t = c, r, t.T
             rows.append(r)
             cols.append(c)
             tables.append(t)
-        if len(tables) == 1:
+        if len(members) == 1:
             f = PairwiseFactor(rows[0], cols[0], np.ascontiguousarray(tables[0]))
         else:
             ur, rinv = np.unique(np.stack(rows, axis=1), axis=0, return_inverse=True)
             uc, cinv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
+            parts = [t[np.ix_(ur[:, k], uc[:, k])] for k, t in enumerate(tables)]
             table = np.zeros((len(ur), len(uc)))
-            for k, t in enumerate(tables):
-                table = table + t[np.ix_(ur[:, k], uc[:, k])]
+            for k in seq:  # graph-edge order, one addition per member edge
+                table = table + parts[k]
             f = PairwiseFactor(rinv.reshape(-1).astype(np.int32),
                                cinv.reshape(-1).astype(np.int32), table)
         self._factors[ge] = f

@@ -65,8 +65,10 @@ def node_costs(cm: CostModel, strategy: np.ndarray,
     """Per-node cost parts of a plan (µs): compute, and over incoming edges the
     redistribution (comm) and transition parts; ``inf`` comm for an illegal edge.
 
-    Each edge is costed once for its chosen pair with the scalar
-    ``redistribute_us`` (bit-identical to the table entries the solver used).
+    Each edge is costed for its chosen pair with the scalar ``redistribute_steps``
+    (bit-identical to the table entries the solver used), once per (edge class,
+    source class, destination class) (:meth:`CostModel.edge_classes`: the copies of a
+    repeated layer share one costing).
     Also returns ``"redistributions"``: one row per graph edge whose producer and
     consumer placements differ (see :func:`redistribution_table`).
     """
@@ -77,33 +79,45 @@ def node_costs(cm: CostModel, strategy: np.ndarray,
     COLLECTIVES = KINDS[:4]  # noqa: N806 - all_gather, reduce_scatter, all_reduce, all_to_all
     names = mesh_names or [str(i) for i in range(len(cm.mesh_shape))]
     n = cm.num_nodes
-    compute = np.array([cm.unary(v)[strategy[v]] for v in range(n)])
+    strat = strategy.tolist()
+    compute = np.array([cm.unary(v)[strat[v]] for v in range(n)])
     comm = np.zeros(n)
     trans = np.zeros(n)
     rows: list[dict[str, Any]] = []
-    for u, element, v, a in cm.edges:
+    classes = cm.edge_classes().tolist()
+    # (edge class, src class, dst class) -> (µs, differ, row fields of a redistribution)
+    memo: dict[tuple[int, int, int], tuple[float, bool, dict[str, Any] | None]] = {}
+    for (u, element, v, a), ec in zip(cm.edges, classes):
         r, srcs = cm.out_classes(u, element)
         c, dsts = cm.in_classes(v, a)
-        src, dst = srcs[r[strategy[u]]], dsts[c[strategy[v]]]
-        meta = cm.in_metas[v][a]
-        steps = redistribute_steps(meta["shape"], itemsize(meta["dtype"]), src, dst,
-                                   cm.mesh_shape, cm.hw)
-        us = math.inf if steps is None else 0.0
-        for st in steps or ():
-            us += st.us
+        i, j = int(r[strat[u]]), int(c[strat[v]])
+        hit = memo.get((ec, i, j))
+        if hit is None:
+            src, dst = srcs[i], dsts[j]
+            meta = cm.in_metas[v][a]
+            steps = redistribute_steps(meta["shape"], itemsize(meta["dtype"]), src, dst,
+                                       cm.mesh_shape, cm.hw)
+            us = math.inf if steps is None else 0.0
+            for st in steps or ():
+                us += st.us
+            fields = None
+            if src != dst:
+                coll = [st for st in steps or () if st.kind in COLLECTIVES]
+                fields = {
+                    "shape": [int(x) for x in meta["shape"]], "dtype": str(meta["dtype"]),
+                    "src_placement": format_placements(src),
+                    "dst_placement": format_placements(dst),
+                    "collectives": [f"{st.kind}({names[st.mesh_dim]})" for st in coll],
+                    "_collective_steps": coll,
+                    "bytes": 0 if steps is None else int(sum(st.bytes for st in steps)),
+                    "comm_us": us}
+            hit = memo[(ec, i, j)] = (us, src != dst, fields)
+        us, differ, fields = hit
         comm[v] += us
-        if src != dst:
+        if differ:
             trans[v] += TRANSITION_COST
-            coll = [st for st in steps or () if st.kind in COLLECTIVES]
-            rows.append({
-                "producer": int(u), "element": int(element), "consumer": int(v), "arg": int(a),
-                "shape": [int(x) for x in meta["shape"]], "dtype": str(meta["dtype"]),
-                "src_placement": format_placements(src),
-                "dst_placement": format_placements(dst),
-                "collectives": [f"{st.kind}({names[st.mesh_dim]})" for st in coll],
-                "_collective_steps": coll,
-                "bytes": 0 if steps is None else int(sum(st.bytes for st in steps)),
-                "comm_us": us})
+            rows.append({"producer": int(u), "element": int(element), "consumer": int(v),
+                         "arg": int(a), **fields})
     return {"compute_us": compute, "comm_us": comm, "transition_us": trans,
             "redistributions": rows}
 

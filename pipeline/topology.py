@@ -54,6 +54,7 @@ import itertools
 import json
 import logging
 import math
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -73,6 +74,7 @@ TOPOLOGY_FILE = "topology.json"
 NODES_FILE = "nodes.parquet"
 STRATEGIES_FILE = "strategies.parquet"
 EDGES_FILE = "edges.parquet"
+_REF_RE = re.compile(r'\{"node": \d+\}')  # a tensor reference in JSON text
 
 
 class TopologyError(PlanError):
@@ -101,6 +103,10 @@ class GNode:
     output_desc: list | None
     module_path: str = ""
     refs: list[int] = field(default_factory=list)  # tensor-arg producers, flattened order
+    # The IR's JSON texts of args, kwargs and outputs (None when built by hand).
+    args_text: str | None = None
+    kwargs_text: str | None = None
+    outputs_text: str | None = None
 
 
 def _refs(obj: Any) -> list[int]:
@@ -114,20 +120,35 @@ def _refs(obj: Any) -> list[int]:
 
 
 def load_nodes(table: pa.Table) -> list[GNode]:
-    """Decode the graph IR table into :class:`GNode` objects (graph order)."""
+    """Decode the graph IR table into :class:`GNode` objects (graph order).
+
+    Equal ``outputs`` / ``output_desc`` texts (the copies of a repeated layer) are
+    decoded once and share one (read-only) object.
+    """
     cols = table.to_pydict()
+    shared: dict[str, Any] = {}
+
+    def decode(text: str) -> Any:
+        hit = shared.get(text)
+        if hit is None:
+            hit = shared[text] = json.loads(text)
+        return hit
+
     nodes = []
     for i in range(table.num_rows):
-        args = json.loads(cols["args"][i])
-        kwargs = json.loads(cols["kwargs"][i])
+        args_text, kwargs_text, outputs_text = (cols["args"][i], cols["kwargs"][i],
+                                                cols["outputs"][i])
+        args = json.loads(args_text)
+        kwargs = json.loads(kwargs_text)
         od = cols["output_desc"][i]
         n = GNode(
             idx=cols["idx"][i], name=cols["name"][i], kind=cols["kind"][i],
             target=cols["target"][i], args=args, kwargs=kwargs,
-            outputs=json.loads(cols["outputs"][i]), tuple_output=cols["tuple_output"][i],
+            outputs=decode(outputs_text), tuple_output=cols["tuple_output"][i],
             role=cols["role"][i], fqn=cols["fqn"][i], layer=cols["layer"][i],
-            phase=cols["phase"][i], output_desc=json.loads(od) if od else None,
-            module_path=cols["module_path"][i] or "")
+            phase=cols["phase"][i], output_desc=decode(od) if od else None,
+            module_path=cols["module_path"][i] or "", args_text=args_text,
+            kwargs_text=kwargs_text, outputs_text=outputs_text)
         n.refs = _refs(args) + _refs(kwargs)
         nodes.append(n)
     return nodes
@@ -244,6 +265,10 @@ class StrategyEnumerator:
         self.mesh_shape = mesh_shape
         self.prop = DTensor._op_dispatcher.sharding_propagator
         self.cache: dict[str, StrategyList] = {}
+        # Cheap first-level memo: (op, argument texts with references blanked, output
+        # text, identities of the argument metadata) -> (StrategyList, the metadata,
+        # kept alive so their ids stay unique).
+        self.text_cache: dict[tuple, tuple[StrategyList, tuple]] = {}
         self.placeholder_cache: dict[tuple, list[tuple]] = {}
         self.shardable_cache: dict[tuple, bool] = {}
         self.seconds = 0.0
@@ -256,10 +281,23 @@ class StrategyEnumerator:
 
     def op_strategies(self, node: GNode, metas: list[dict]) -> StrategyList:
         """Strategies of a call_function node; ``metas`` are its tensor args' metadata."""
+        tkey = None
+        if node.args_text is not None and node.kwargs_text is not None \
+                and node.outputs_text is not None:
+            # Equal texts and identical metadata objects imply an equal signature key
+            # below, so this memo only skips building that key (for layer copies).
+            tkey = (node.target, _REF_RE.sub("T", node.args_text),
+                    _REF_RE.sub("T", node.kwargs_text), node.outputs_text,
+                    tuple(id(m) for m in metas))
+            hit2 = self.text_cache.get(tkey)
+            if hit2 is not None:
+                return hit2[0]
         key = json.dumps([node.target, _sig_args(node.args, metas), _sig_args(node.kwargs, metas),
                           node.outputs], sort_keys=True)
         hit = self.cache.get(key)
         if hit is not None:
+            if tkey is not None:
+                self.text_cache[tkey] = (hit, tuple(metas))
             return hit
         start = time.perf_counter()
         op = resolve_op(node.target)
@@ -273,6 +311,8 @@ class StrategyEnumerator:
         if result is None or len(result) == 0:
             result = self._replicate_only(node, metas)
         self.cache[key] = result
+        if tkey is not None:
+            self.text_cache[tkey] = (result, tuple(metas))
         self.seconds += time.perf_counter() - start
         return result
 
@@ -607,6 +647,8 @@ class MNode:
     fqn: str | None = None
     tied_to: int | None = None  # fwd/bwd twin (gradient sink -> parameter)
     min_ratio: float | None = None  # parameters: smallest local/full size, before pins
+    args_text: str | None = None  # json.dumps(args) when known (the graph IR's text)
+    kwargs_text: str | None = None
 
 
 def _output_element_meta(nodes: list[GNode], ref: int, element: int) -> dict | None:
@@ -791,7 +833,8 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
         mnodes.append(MNode(
             id=len(mnodes), name=n.name, target=n.target, role=n.role, layer=n.layer,
             phase=n.phase, slist=intern(sl), producers=producers, in_metas=metas,
-            out_metas=n.outputs, args=n.args, kwargs=n.kwargs, graph_idx=n.idx, fqn=n.fqn))
+            out_metas=n.outputs, args=n.args, kwargs=n.kwargs, graph_idx=n.idx, fqn=n.fqn,
+            args_text=n.args_text, kwargs_text=n.kwargs_text))
     t_strat = time.perf_counter() - t0
 
     # The loss is Replicate (DESIGN.md): its sink accepts only Replicate. The op
@@ -1002,6 +1045,16 @@ def write_topology(topo: Topology, out_dir: Path, meta: dict[str, Any]) -> None:
     """Write the topology artifacts; ``topology.json`` last (the sentinel)."""
     out_dir = Path(out_dir)
     nodes = topo.nodes
+    # json.dumps of the metadata, once per object (copies of a layer share them); the
+    # nodes keep the objects alive, so their ids stay unique meanwhile.
+    texts: dict[int, str] = {}
+
+    def dumps(obj: Any) -> str:
+        hit = texts.get(id(obj))
+        if hit is None:
+            hit = texts[id(obj)] = json.dumps(obj)
+        return hit
+
     runtime.write_parquet(out_dir / NODES_FILE, pa.table({
         "id": pa.array([m.id for m in nodes], pa.int32()),
         "name": [m.name for m in nodes],
@@ -1016,10 +1069,12 @@ def write_topology(topo: Topology, out_dir: Path, meta: dict[str, Any]) -> None:
         "num_strategies": pa.array([len(topo.slists[m.slist]) for m in nodes], pa.int32()),
         "fallback": [topo.slists[m.slist].fallback for m in nodes],
         "min_param_ratio": pa.array([m.min_ratio for m in nodes], pa.float64()),
-        "args": [json.dumps(m.args) for m in nodes],
-        "kwargs": [json.dumps(m.kwargs) for m in nodes],
-        "in_metas": [json.dumps(m.in_metas) for m in nodes],
-        "out_metas": [json.dumps(m.out_metas) for m in nodes],
+        "args": [m.args_text if m.args_text is not None else json.dumps(m.args) for m in nodes],
+        "kwargs": [m.kwargs_text if m.kwargs_text is not None else json.dumps(m.kwargs)
+                   for m in nodes],
+        # json.dumps of a list is its items' texts joined by ", " in brackets
+        "in_metas": ["[" + ", ".join(dumps(x) for x in m.in_metas) + "]" for m in nodes],
+        "out_metas": [dumps(m.out_metas) for m in nodes],
     }))
     sl_col, k_col, out_col, in_col = [], [], [], []
     for s, sl in enumerate(topo.slists):
