@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -478,7 +478,9 @@ def save_factors(path: Path, mrf: MRF, factors: list[PairwiseFactor]) -> None:
     coff = np.cumsum([0] + [len(f.col_cls) for f in factors])
     toff = np.cumsum([0] + [f.table.size for f in factors])
     tshape = np.array([f.table.shape for f in factors], dtype=np.int64).reshape(len(factors), 2)
-    cat = (lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt))
+    def cat(xs: list, dt: Any) -> np.ndarray:
+        return np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
+
     with runtime.atomic_path(path) as tmp:
         with open(tmp, "wb") as fh:
             np.savez(fh, domain=mrf.domain_sizes, edges=mrf.edges,

@@ -57,9 +57,10 @@ import math
 import re
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -471,7 +472,6 @@ class StrategyEnumerator:
         from torch.distributed.tensor._op_schema import OpStrategy, TupleStrategy
 
         func = self.prop.op_strategy_funcs[op]
-        floating = metas[0]["dtype"] in ("float32", "bfloat16", "float16", "float64")
 
         def floating(meta: dict) -> bool:
             return meta["dtype"] in ("float32", "bfloat16", "float16", "float64")
@@ -712,7 +712,7 @@ def repeated_blocks(nodes: list[GNode]) -> tuple[list[list[list[int]]], dict[str
         key = (prefix, tuple(sorted(hashes[i] for i in idxs)))
         by_key.setdefault(key, []).append(layer)
     classes = []
-    for key, layers in by_key.items():
+    for layers in by_key.values():
         if len(layers) < 2:
             continue
         layers.sort(key=lambda p: min(members[p]))

@@ -40,8 +40,9 @@ import json
 import logging
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 
@@ -290,7 +291,6 @@ def trace_model(model_cfg: Any, world_size: int) -> tuple[pa.Table, dict[str, An
     Returns the graph IR table and a dict of facts (node count, seconds).
     Raises ValueError for an invalid model config.
     """
-    import torch
 
     from pipeline.models.llama import build_model, example_inputs, validate_model_config
 
