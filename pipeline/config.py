@@ -860,15 +860,33 @@ SNAKEMAKE_KEYS: tuple[str, ...] = ("model", "mesh", "mesh_names", "solver", "laz
                                    "overrides")
 
 
-def overrides_from_snakemake(config: Mapping[str, Any]) -> list[str]:
+def _raw_overrides(value: Any, argv: Sequence[str] | None) -> Any:
+    """The ``overrides`` text as typed. Snakemake strips *every* leading and trailing
+    quote character of a ``--config`` value (``val.strip("'\"")``), which breaks
+    ``overrides="a=1 'b=S(0)R'"``; the unstripped text is still in the command line."""
+    if argv is None or not isinstance(value, str):
+        return value
+    for arg in argv:
+        if arg.startswith("overrides="):
+            raw = arg[len("overrides="):]
+            if raw.strip("'\"") == value:
+                return raw
+    return value
+
+
+def overrides_from_snakemake(config: Mapping[str, Any],
+                             argv: Sequence[str] | None = None) -> list[str]:
     """Map Snakemake ``--config`` values (already parsed by Snakemake: str, int, bool,
     list) to Hydra overrides.
 
     ``overrides`` holds further space-separated Hydra overrides (shell quoting allowed):
     ``--config mesh=2,4,8 overrides="solver.backend=highs solver.time_limit_s=60"``.
+    ``argv``: Snakemake's command line (``sys.argv``), from which the ``overrides``
+    text is read with the quotes Snakemake strips.
 
     Raises:
-        ConfigError: for an unknown key (one line listing the allowed keys).
+        ConfigError: for an unknown key (one line listing the allowed keys), or
+            unbalanced quotes in ``overrides``.
     """
     out: list[str] = []
     for key in config:
@@ -883,7 +901,13 @@ def overrides_from_snakemake(config: Mapping[str, Any]) -> list[str]:
             if isinstance(value, (list, tuple)):
                 out.extend(str(v) for v in value)
             elif value is not None:
-                out.extend(shlex.split(str(value)))
+                text = str(_raw_overrides(value, argv))
+                try:
+                    out.extend(shlex.split(text))
+                except ValueError as err:
+                    raise ConfigError(f"overrides={text}: {err} (allowed: space-separated "
+                                      "Hydra overrides, each quoted as a whole if needed)"
+                                      ) from None
         elif key in ("model", "solver", "hardware", "experiment"):
             out.append(f"{key}={_fmt(value)}")
         elif key == "mesh":

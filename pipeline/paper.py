@@ -725,12 +725,12 @@ def build_paper(runs: Any, exp: Experiment, runs_path: Path | None = None) -> li
     from pipeline import runtime
 
     out = exp.out_dir
-    out.mkdir(parents=True, exist_ok=True)
     source = {"runs_parquet": str(runs_path) if runs_path else None,
               "runs_parquet_sha256": _sha256(runs_path) if runs_path else None,
               "overrides": list(exp.overrides)}
     sel = {name: select_runs(runs, [r.key for r in exp.sets[name]], f"run set {name}")
            for name in RUN_SETS}
+    out.mkdir(parents=True, exist_ok=True)  # only once every run is there
     written: list[Path] = []
     provs: dict[str, dict[str, Any]] = {}
 

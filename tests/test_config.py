@@ -347,6 +347,28 @@ def test_overrides_from_snakemake(config, overrides):
     assert overrides_from_snakemake(config) == overrides
 
 
+@pytest.mark.parametrize("typed", [
+    "mesh=2x4x8 'constraints.inputs=S(0)RR'",
+    "'constraints.inputs=S(0)RR' mesh=2x4x8",
+    "'constraints.inputs=S(0)RR' 'mesh=2x4x8'",
+])
+def test_quotes_snakemake_strips_are_read_back_from_the_command_line(typed):
+    """Snakemake strips every leading/trailing quote of a --config value; the text as
+    typed is taken from argv, so quoting at either end works."""
+    from snakemake.cli import parse_config
+
+    config = parse_config([f"overrides={typed}"])
+    assert config["overrides"] != typed  # what Snakemake hands the Snakefile
+    argv = ["snakemake", "--config", f"overrides={typed}"]
+    assert sorted(overrides_from_snakemake(config, argv)) == [
+        "constraints.inputs=S(0)RR", "mesh=2x4x8"]
+
+
+def test_unbalanced_quotes_in_overrides_are_one_line():
+    with pytest.raises(ConfigError, match=r"^overrides=a=1 'b=2: No closing quotation"):
+        overrides_from_snakemake({"overrides": "a=1 'b=2"})
+
+
 def test_overrides_from_snakemake_refuses_unknown_keys():
     with pytest.raises(ConfigError, match=r"^meshes=8: unknown --config key; allowed model, "):
         overrides_from_snakemake({"meshes": 8})

@@ -180,6 +180,7 @@ def test_a_missing_run_is_one_line(toy_experiment):
     with pytest.raises(paper.PaperError) as err:
         paper.build_paper(runs, toy_experiment)
     assert "\n" not in str(err.value) and "not in runs.parquet" in str(err.value)
+    assert not toy_experiment.out_dir.exists()  # nothing written, not even the folder
 
 
 # --------------------------------------------------------------------------- build + provenance

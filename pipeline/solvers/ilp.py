@@ -126,6 +126,7 @@ Errors: ``ValueError`` for malformed MRFs (shape mismatch, NaN, ``-inf``);
 
 from __future__ import annotations
 
+import contextlib
 import decimal
 import math
 import os
@@ -133,6 +134,7 @@ import re
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -519,6 +521,23 @@ def _highs_lp(model: IlpModel, *, relax: bool, names: bool):
 _HIGHS_THREADS: list[int] = []
 
 
+@contextlib.contextmanager
+def _stdout_to_devnull() -> Iterator[None]:
+    """Send file descriptor 1 (C-level stdout) to /dev/null for the block."""
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _new_highs(msg: bool, threads: int):
     import highspy
 
@@ -527,7 +546,11 @@ def _new_highs(msg: bool, threads: int):
     if _HIGHS_THREADS and _HIGHS_THREADS[0] != threads:
         highspy.Highs.resetGlobalScheduler(True)
     _HIGHS_THREADS[:] = [threads]
-    h = highspy.Highs()
+    if msg:
+        h = highspy.Highs()
+    else:
+        with _stdout_to_devnull():  # the constructor prints a banner before any option
+            h = highspy.Highs()
     h.setOptionValue("output_flag", bool(msg))
     h.setOptionValue("threads", int(threads))
     return h

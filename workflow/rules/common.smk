@@ -26,7 +26,7 @@ from pipeline.config import (
 )
 
 try:
-    PLAN_CFG = load_resolved(overrides_from_snakemake(config))
+    PLAN_CFG = load_resolved(overrides_from_snakemake(config, sys.argv))
 except ConfigError as err:
     print(err, file=sys.stderr)
     sys.exit(2)

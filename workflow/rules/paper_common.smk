@@ -11,7 +11,7 @@ from pipeline.paper import (
     output_files,
 )
 
-PAPER_OVERRIDES = experiment_overrides(overrides_from_snakemake(config))
+PAPER_OVERRIDES = experiment_overrides(overrides_from_snakemake(config, sys.argv))
 
 
 @functools.cache
