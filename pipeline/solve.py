@@ -336,7 +336,8 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     with timer.phase("report"):
         record, table, redist = _record(cfg, dirs, tt, mrf, result, lp_bound, timer, fp,
                                         budget)
-        record["presolve"] = presolve
+        if presolve is not None:  # absent, not null: runs.parquet then has no null column
+            record["presolve"] = presolve
     record["phases"]["report"] = timer.seconds["report"]
     runtime.write_parquet(out_dir / REDISTRIBUTIONS_FILE, redist,
                           metadata={"run_id": record["run_id"]})

@@ -63,7 +63,7 @@ def test_backends_agree_and_bounds_are_ordered(results: Path, mesh: str) -> None
 def test_pruning_keeps_the_optimum(results: Path, mesh: str) -> None:
     pruned, _ = _run(results, f"mesh={mesh}", "solver=ilp")
     full, _ = _run(results, f"mesh={mesh}", "solver=ilp", "solver.prune=false")
-    assert full["presolve"] is None and full["status"] == "Optimal"
+    assert "presolve" not in full and full["status"] == "Optimal"
     assert pruned["objective"] == pytest.approx(full["objective"], rel=REL)
     assert pruned["solver_extra"]["variables"] < full["solver_extra"]["variables"]
 
