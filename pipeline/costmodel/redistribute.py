@@ -813,6 +813,18 @@ def _step_bytes(step: Step, shape: Sequence[int], mesh_shape: Sequence[int]) -> 
     return g, loc
 
 
+def _collective_bytes(kind: str, n: int, g_bytes: int, l_bytes: int) -> int:
+    """Bytes ``S`` of the alpha-beta term: ``n * L`` for all-gather / reduce-scatter,
+    ``L`` for all-to-all, ``G`` for all-reduce, 0 for a local step."""
+    if kind in ("all_gather", "reduce_scatter"):
+        return n * l_bytes
+    if kind == "all_to_all":
+        return l_bytes
+    if kind == "all_reduce":
+        return g_bytes
+    return 0
+
+
 def _step_us(
     step: Step,
     shape: Sequence[int],
@@ -828,16 +840,10 @@ def _step_us(
     g_bytes = g * itemsize
     l_bytes = loc * itemsize
     comm = 0.0
-    comm_bytes = 0
+    comm_bytes = _collective_bytes(step.kind, n, g_bytes, l_bytes)
     if step.kind in _COLLECTIVE_KINDS:
         ki = _KIND_CODE[step.kind]
         li = 0 if links[step.mesh_dim] == "intra" else 1
-        if step.kind in ("all_gather", "reduce_scatter"):
-            comm_bytes = n * l_bytes
-        elif step.kind == "all_to_all":
-            comm_bytes = l_bytes
-        else:
-            comm_bytes = g_bytes
         factor = COLLECTIVE_FACTOR[step.kind]
         lat = float(hp.lat[li, ki])
         bw = float(hp.bw[li, ki])
@@ -969,15 +975,8 @@ def redistribute_steps(
         if mesh_shape[step.mesh_dim] <= 1:
             continue
         g, loc = _step_bytes(step, shape, mesh_shape)
-        n = mesh_shape[step.mesh_dim]
-        if step.kind in ("all_gather", "reduce_scatter"):
-            nbytes = n * loc * int(itemsize)
-        elif step.kind == "all_to_all":
-            nbytes = loc * int(itemsize)
-        elif step.kind == "all_reduce":
-            nbytes = g * int(itemsize)
-        else:
-            nbytes = 0
+        nbytes = _collective_bytes(step.kind, mesh_shape[step.mesh_dim], g * int(itemsize),
+                                   loc * int(itemsize))
         out.append(StepCost(step.kind, step.mesh_dim, nbytes,
                             _step_us(step, shape, int(itemsize), mesh_shape, links, hp)))
     return out
