@@ -17,13 +17,13 @@ import itertools
 import pytest
 
 from pipeline.placements import format_placements
-from pipeline.topology import GNode, StrategyEnumerator, candidate_placements, device_mesh
+from pipeline.topology import IRNode, StrategyEnumerator, candidate_placements, device_mesh
 
 
-def _mm_node(m: int, k: int, n: int) -> tuple[GNode, list[dict]]:
+def _mm_node(m: int, k: int, n: int) -> tuple[IRNode, list[dict]]:
     metas = [{"shape": [m, k], "dtype": "float32", "stride": [k, 1]},
              {"shape": [k, n], "dtype": "float32", "stride": [n, 1]}]
-    node = GNode(idx=2, name="mm", kind="call_function", target="aten.mm.default",
+    node = IRNode(idx=2, name="mm", kind="call_function", target="aten.mm.default",
                  args=[{"node": 0}, {"node": 1}], kwargs={},
                  outputs=[{"shape": [m, n], "dtype": "float32", "stride": [n, 1]}],
                  tuple_output=False, role="activation", fqn=None, layer=None, phase="fwd",
