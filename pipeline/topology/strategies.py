@@ -130,7 +130,7 @@ class StrategyEnumerator:
 
         self.mesh = mesh
         self.mesh_shape = mesh_shape
-        self.prop = DTensor._op_dispatcher.sharding_propagator
+        self.propagator = DTensor._op_dispatcher.sharding_propagator
         self.cache: dict[str, StrategyList] = {}
         # Cheap first-level memo: (op, argument texts with references blanked, output
         # text, identities of the argument metadata) -> (StrategyList, the metadata,
@@ -170,9 +170,9 @@ class StrategyEnumerator:
         result = None
         if op is not None:
             with _without_dtensor_costs():
-                if op in self.prop.op_single_dim_strategy_funcs:
+                if op in self.propagator.op_single_dim_strategy_funcs:
                     result = self._single_dim(op, node, metas)
-                elif op in self.prop.op_strategy_funcs:
+                elif op in self.propagator.op_strategy_funcs:
                     result = self._full(op, node, metas)
         if result is None or len(result) == 0:
             result = self._replicate_only(node, metas)
@@ -206,12 +206,12 @@ class StrategyEnumerator:
                 k = next(counter)
                 meta = metas[k]
                 if pick is not None and k in pick:
-                    pls = [pick[k]]
+                    placements = [pick[k]]
                 elif all_placements:
-                    pls = self.placements_of(meta["shape"], partial=_is_floating(meta))
+                    placements = self.placements_of(meta["shape"], partial=_is_floating(meta))
                 else:
-                    pls = [(Replicate(),) * len(self.mesh_shape)]
-                return OpStrategy([OpSpec(self._spec(p, meta)) for p in pls])
+                    placements = [(Replicate(),) * len(self.mesh_shape)]
+                return OpStrategy([OpSpec(self._spec(p, meta)) for p in placements])
             if isinstance(obj, list):
                 items = [build(v) for v in obj]
                 if items and all(isinstance(v, OpStrategy) for v in items):
@@ -221,14 +221,14 @@ class StrategyEnumerator:
 
         args = tuple(build(a) for a in node.args)
         kwargs = {k: build(v) for k, v in node.kwargs.items()}
-        return OpSchema(op, args, kwargs, schema_info=self.prop.op_to_schema_info.get(op))
+        return OpSchema(op, args, kwargs, schema_info=self.propagator.op_to_schema_info.get(op))
 
     def _single_dim(self, op: Any, node: IRNode, metas: list[dict]) -> StrategyList | None:
         from torch.distributed.tensor import Replicate
         from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
         from torch.distributed.tensor.placement_types import Shard
 
-        info = self.prop.op_single_dim_strategy_funcs[op]
+        info = self.propagator.op_single_dim_strategy_funcs[op]
         schema = self._schema(op, node, metas, all_placements=False)
         rules = info.func(op, schema.args_meta, schema.kwargs_meta)
         n_in = len(metas)
@@ -240,13 +240,13 @@ class StrategyEnumerator:
             filled.append([Shard(p.dim) if isinstance(p, _ShardingPlaceholder) else p
                            for p in rule])
         out_meta = self._out_meta(node)
-        rep = [Replicate()] * (n_out + n_in)
+        replicate = [Replicate()] * (n_out + n_in)
         if isinstance(out_meta, tuple):
             for i, m in enumerate(out_meta[:n_out]):
                 if m is None:
-                    rep[i] = None
+                    replicate[i] = None
         if not any(all(p is None or isinstance(p, Replicate) for p in r) for r in filled):
-            filled.insert(0, rep)
+            filled.insert(0, replicate)
         return self._expand(node, metas, filled, n_out)
 
     def _expand(self, node: IRNode, metas: list[dict], rules: list[list], n_out: int
@@ -323,7 +323,7 @@ class StrategyEnumerator:
         """
         from torch.distributed.tensor._op_schema import OpStrategy, TupleStrategy
 
-        func = self.prop.op_strategy_funcs[op]
+        func = self.propagator.op_strategy_funcs[op]
 
         def call_each(picks: Iterator[dict[int, tuple]]) -> list:
             found = []
@@ -373,7 +373,7 @@ class StrategyEnumerator:
         from torch.distributed.tensor import Replicate
 
         outs, ins, seen = [], [], set()
-        rep = (Replicate(),) * len(self.mesh_shape)
+        replicate = (Replicate(),) * len(self.mesh_shape)
         for spec in specs:
             o = spec.output_specs
             if isinstance(o, (tuple, list)):
@@ -390,8 +390,9 @@ class StrategyEnumerator:
             if not ok:
                 continue
             in_specs = list(spec.input_specs or [])
-            inp = [tuple(s.placements) if s is not None else rep for s in in_specs[: len(metas)]]
-            inp += [rep] * (len(metas) - len(inp))
+            inp = [tuple(s.placements) if s is not None else replicate
+                   for s in in_specs[: len(metas)]]
+            inp += [replicate] * (len(metas) - len(inp))
             if not all(shardable(m["shape"], p, self.mesh_shape) for p, m in zip(inp, metas)):
                 continue
             key = (out, tuple(inp))
@@ -421,12 +422,12 @@ class StrategyEnumerator:
     def _replicate_only(self, node: IRNode, metas: list[dict]) -> StrategyList:
         from torch.distributed.tensor import Replicate
 
-        rep = (Replicate(),) * len(self.mesh_shape)
+        replicate = (Replicate(),) * len(self.mesh_shape)
         if node.tuple_output:
-            out: Any = tuple(None if m is None else rep for m in node.outputs)
+            out: Any = tuple(None if m is None else replicate for m in node.outputs)
         else:
-            out = rep
-        return StrategyList((out,), (tuple(rep for _ in metas),), fallback=True)
+            out = replicate
+        return StrategyList((out,), (tuple(replicate for _ in metas),), fallback=True)
 
 
 @contextlib.contextmanager
