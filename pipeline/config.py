@@ -94,8 +94,8 @@ DEFAULT_MESH_NAMES: dict[int, list[str]] = {1: ["dp"], 2: ["dp", "tp"], 3: ["dp"
 #: Source files (globs relative to the project root) whose content keys each stage's code.
 STAGE_SOURCES: dict[str, tuple[str, ...]] = {
     "trace": ("pipeline/trace.py", "pipeline/models/*.py"),
-    "topology": ("pipeline/topology.py", "pipeline/placements.py"),
-    "costs": ("pipeline/costs.py", "pipeline/costmodel/*.py"),
+    "topology": ("pipeline/topology/*.py", "pipeline/ir.py", "pipeline/placements.py"),
+    "costs": ("pipeline/costs.py", "pipeline/ir.py", "pipeline/costmodel/*.py"),
     "solve": ("pipeline/solve.py", "pipeline/solvers/*.py"),
     "report": ("pipeline/report.py",),
     "paper": ("pipeline/paper.py",),

@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,10 @@ from typing import Any
 import numpy as np
 
 from pipeline import progress, runtime
+from pipeline.ir import TENSOR_REF_RE as _REF_RE
+from pipeline.ir import decode_shared as _decode_shared
+from pipeline.ir import tensor_refs as _refs_in
+from pipeline.ir import with_shapes as _with_shapes
 from pipeline.placements import local_shape, parse_output, parse_placements
 from pipeline.solvers.mrf import MRF, PairwiseFactor
 from pipeline.topology import TopologyTables, read_topology
@@ -58,7 +61,6 @@ log = logging.getLogger(__name__)
 COSTS_FILE = "costs.json"
 FACTORS_FILE = "factors.npz"
 TRANSITION_COST = 1.0
-_REF_RE = re.compile(r'\{"node": \d+\}')
 _NO_COMPUTE = ("placeholder", "getitem", "output")
 def itemsize(dtype: str) -> int:
     """Bytes per element of a dtype name (``bfloat16`` -> 2), from ``torch.dtype.itemsize``.
@@ -266,19 +268,6 @@ class CostModel:
         return row_cls, col_cls, table
 
 
-def _decode_shared(texts: list[str]) -> list[Any]:
-    """``json.loads`` of each text, decoding each distinct text once (the results are
-    shared between equal texts: read them, never modify them)."""
-    memo: dict[str, Any] = {}
-    out = []
-    for t in texts:
-        hit = memo.get(t)
-        if hit is None:
-            hit = memo[t] = json.loads(t)
-        out.append(hit)
-    return out
-
-
 def _classes(texts: list[str], ndim: int) -> tuple[np.ndarray, list]:
     index: dict[str, int] = {}
     cls = np.empty(len(texts), dtype=np.int32)
@@ -296,34 +285,6 @@ def _element_text(text: str, element: int, ndim: int) -> str:
         return text
     part = text[1:-1].split("|")[element]
     return "R" * ndim if part == "-" else part
-
-
-def _refs_in(obj: Any) -> list:
-    if isinstance(obj, dict) and set(obj) == {"node"}:
-        return [obj]
-    if isinstance(obj, list):
-        return [r for v in obj for r in _refs_in(v)]
-    if isinstance(obj, dict):
-        return [r for v in obj.values() for r in _refs_in(v)]
-    return []
-
-
-def _with_shapes(obj: Any, shapes: list, start: int = 0) -> Any:
-    """Replace tensor references (``{"node": i}``) by local shapes, in flattened order."""
-    counter = [start]
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, dict) and set(x) == {"node"}:
-            sh = shapes[counter[0]] if counter[0] < len(shapes) else None
-            counter[0] += 1
-            return sh
-        if isinstance(x, list):
-            return [walk(v) for v in x]
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        return x
-
-    return walk(obj)
 
 
 # --------------------------------------------------------------------------- group MRF

@@ -60,6 +60,7 @@ __all__ = [
     "format_output",
     "format_placement",
     "format_placements",
+    "format_strategy_output",
     "parse_output",
     "parse_placements",
 ]
@@ -156,6 +157,23 @@ def format_output(outputs: Sequence[Sequence[Placement] | None]) -> str:
         Always parenthesised, also for zero or one element: ``()``, ``(S(0)R)``.
     """
     return "(" + "|".join(NON_TENSOR if o is None else format_placements(o) for o in outputs) + ")"
+
+
+def format_strategy_output(
+    output: Sequence[Placement] | Sequence[Sequence[Placement] | None] | None,
+) -> str:
+    """Format a strategy's output: a placement tuple as ``S(0)R``; the per-element
+    placements of a tuple-returning op as :func:`format_output` does (``(S(0)R|-)``);
+    None (no tensor) as ``-``.
+
+    Raises:
+        ValueError: as :func:`format_placements`.
+    """
+    if output is None:
+        return NON_TENSOR
+    if len(output) and (output[0] is None or isinstance(output[0], (tuple, list))):
+        return format_output(output)  # type: ignore[arg-type]
+    return format_placements(output)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- parse

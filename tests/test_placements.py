@@ -21,6 +21,7 @@ from pipeline.placements import (
     format_output,
     format_placement,
     format_placements,
+    format_strategy_output,
     parse_output,
     parse_placements,
 )
@@ -115,6 +116,19 @@ def test_output_forms():
     out = parse_output("(RR|-)")
     out.append(None)  # a fresh list: the cache is not mutated
     assert parse_output("(RR|-)") == [(Replicate(), Replicate()), None]
+
+
+def test_strategy_output_forms():
+    # a single-output op: the bare placement; a tuple-returning op: one entry per element
+    assert format_strategy_output((Shard(0), Replicate())) == "S(0)R"
+    assert format_strategy_output([Partial("avg")]) == "P(avg)"
+    sdpa_like = ((Shard(0), Replicate()), None, (Replicate(), Partial()))
+    assert format_strategy_output(sdpa_like) == "(S(0)R|-|RP)"
+    assert format_strategy_output((None, (Shard(1),))) == "(-|S(1))"
+    assert format_strategy_output(None) == "-"
+    assert parse_output(format_strategy_output(sdpa_like), 2) == list(sdpa_like)
+    with pytest.raises(ValueError, match="empty"):
+        format_strategy_output(())
 
 
 def test_every_dtensor_placement_type_has_a_token():

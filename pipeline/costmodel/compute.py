@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import flop_registry
 
+from pipeline.ir import resolve_op
+
 __all__ = [
     "is_view_op",
     "op_flops",
@@ -65,61 +67,6 @@ _HALF_DTYPES = frozenset(
         torch.float8_e5m2fnuz,
     }
 )
-
-
-@functools.lru_cache(maxsize=4096)
-def _resolve_name(name: str) -> Any:
-    text = name.strip()
-    text = text.removeprefix("torch.ops.")
-    parts = text.split(".")
-    if len(parts) < 2:
-        raise ValueError(
-            f"cannot resolve op {name!r}: expected 'namespace.op[.overload]', "
-            "e.g. 'aten.mm.default'"
-        )
-    obj: Any = torch.ops
-    try:
-        for p in parts:
-            obj = getattr(obj, p)
-    except (AttributeError, RuntimeError):
-        raise ValueError(
-            f"cannot resolve op {name!r}: no such torch.ops entry (expected e.g. 'aten.mm.default')"
-        ) from None
-    if isinstance(obj, torch._ops.OpOverloadPacket):
-        obj = _packet_representative(obj)
-    return obj
-
-
-def _packet_representative(packet: torch._ops.OpOverloadPacket) -> torch._ops.OpOverload:
-    """``packet.default`` if it returns a tensor, else the first overload that does.
-
-    (``aten.mul.default`` is the scalar ``mul(Scalar, Scalar)``; ``aten.mul.Tensor`` is
-    the tensor op a graph would hold.)
-    """
-    names = ["default", *[n for n in packet.overloads() if n != "default"]]
-    for name in names:
-        overload = getattr(packet, name, None)
-        if overload is not None and any("Tensor" in str(r.type) for r in overload._schema.returns):
-            return overload
-    return getattr(packet, names[0])
-
-
-def resolve_op(op: Any) -> Any:
-    """Turn ``op`` into an ``OpOverload`` where possible.
-
-    Accepts an ``OpOverload`` (returned as is), an ``OpOverloadPacket`` (its
-    ``.default``, or its first tensor-returning overload), or a string such as
-    ``"aten.mm.default"`` / ``"torch.ops.aten.mm"``.
-    Anything else (``operator.getitem``, a higher-order op, ...) is returned unchanged.
-
-    Raises:
-        ValueError: for a string that names no op.
-    """
-    if isinstance(op, str):
-        return _resolve_name(op)
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        return _packet_representative(op)
-    return op
 
 
 @functools.lru_cache(maxsize=8192)
