@@ -1,4 +1,5 @@
-"""Constraints on the plan that live beside the MRF: the parameter-memory budget.
+"""The parameter-memory budget: a linear constraint row of the MRF, built by the costs
+stage (:func:`pipeline.costs.build_mrf`).
 
 Parameter-memory budget (``constraints.param_memory: {low, high}``), as in the
 public reference's optimizer: for parameter p under strategy k let
@@ -20,11 +21,14 @@ On the group MRF the sum is a :class:`~pipeline.solvers.mrf.LinearConstraint`
 whose coefficient vector for group g is the sum of its member parameters'
 ``r_p`` over the group's labels (repeated-layer copies counted). The ILP adds it
 as rows; the approx solver handles it by Lagrangian relaxation
-(pipeline/solvers/lagrangian.py).
+(pipeline/solvers/lagrangian.py). With eager costs the row is stored in
+``factors.npz`` with the rest of the MRF and the facts of the run record
+(:meth:`ParamBudget.to_record`) in ``costs.json``.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -57,38 +61,56 @@ class ParamBudget:
     excluded: list[str]
     high_fraction: float = 0.0
 
+    def to_record(self) -> dict[str, Any]:
+        """The facts as plain JSON data (``costs.json`` of eager costs); the row itself
+        is part of the MRF (``factors.npz``). Floats round-trip exactly."""
+        return {"low": self.low, "high": self.high, "high_fraction": self.high_fraction,
+                "params": list(self.params),
+                "ratios": [self.ratios[p].tolist() for p in self.params],
+                "bytes": [int(self.bytes_of[p]) for p in self.params],
+                "excluded": list(self.excluded)}
 
-def param_ratios(tt: Any, node: int) -> np.ndarray:
+    @classmethod
+    def from_record(cls, record: dict[str, Any],
+                    constraint: LinearConstraint | None) -> ParamBudget:
+        """Inverse of :meth:`to_record`, with the row read back from the MRF."""
+        params = [int(p) for p in record["params"]]
+        return cls(constraint, float(record["low"]), float(record["high"]), params,
+                   {p: np.asarray(r, dtype=np.float64) for p, r in zip(params, record["ratios"])},
+                   {p: int(b) for p, b in zip(params, record["bytes"])},
+                   list(record["excluded"]), float(record["high_fraction"]))
+
+
+def param_ratios(topology: Any, node: int) -> np.ndarray:
     """``r_p(k)`` for every strategy k of parameter node ``node`` (float64 [K])."""
-    mesh = tuple(int(s) for s in tt.summary["mesh"])
-    meta = _out_meta(tt, node)
+    mesh = tuple(int(s) for s in topology.summary["mesh"])
+    meta = _out_meta(topology, node)
     shape = meta["shape"]
     full = math.prod(shape) if shape else 1
     out = []
-    for text in tt.slist_outputs[tt.nodes["slist"][node]]:
+    for text in topology.slist_outputs[topology.nodes["slist"][node]]:
         loc = local_shape(shape, parse_placements(text, len(mesh)), mesh) if shape else ()
         out.append((math.prod(loc) if loc else 1) / full)
     return np.asarray(out, dtype=np.float64)
 
 
-def _out_meta(tt: Any, node: int) -> dict:
-    import json
-
-    return json.loads(tt.nodes["out_metas"][node])[0]
+def _out_meta(topology: Any, node: int) -> dict:
+    return json.loads(topology.nodes["out_metas"][node])[0]
 
 
-def param_budget(tt: Any, group_of: np.ndarray, domain: np.ndarray, cfg_budget: Any,
+def param_budget(topology: Any, group_of: np.ndarray, domain: np.ndarray, cfg_budget: Any,
                  pinned: set[str]) -> ParamBudget | None:
     """Build the budget row; None when ``constraints.param_memory`` is null.
 
-    Raises PlanError when even the most sharded plan the pins allow exceeds
-    ``high`` (only possible when pins fix a counted parameter indirectly).
+    ``group_of``: group of each node; ``domain``: label count per group; ``pinned``:
+    names of the nodes ``constraints.nodes`` pins (left out). Whether the pins leave
+    the budget feasible is :func:`check_budget_feasible`'s job.
     """
     if cfg_budget is None:
         return None
     low = float(cfg_budget["low"] or 0.0)
     high = float(cfg_budget["high"])
-    nodes = tt.nodes
+    nodes = topology.nodes
     params, ratios, bytes_of, excluded = [], {}, {}, []
     for v, role in enumerate(nodes["role"]):
         if role != "param":
@@ -97,8 +119,8 @@ def param_budget(tt: Any, group_of: np.ndarray, domain: np.ndarray, cfg_budget: 
             excluded.append(nodes["fqn"][v] or nodes["name"][v])
             continue
         params.append(v)
-        ratios[v] = param_ratios(tt, v)
-        meta = _out_meta(tt, v)
+        ratios[v] = param_ratios(topology, v)
+        meta = _out_meta(topology, v)
         from pipeline.costs import itemsize
 
         bytes_of[v] = (math.prod(meta["shape"]) if meta["shape"] else 1) * itemsize(meta["dtype"])
