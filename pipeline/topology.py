@@ -66,15 +66,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import progress, runtime
+from pipeline.artifacts import EDGES_FILE, NODES_FILE, STRATEGIES_FILE, TOPOLOGY_FILE
 from pipeline.errors import PlanError
 from pipeline.placements import format_placements, local_shape, parse_placements
 
 log = logging.getLogger(__name__)
 
-TOPOLOGY_FILE = "topology.json"
-NODES_FILE = "nodes.parquet"
-STRATEGIES_FILE = "strategies.parquet"
-EDGES_FILE = "edges.parquet"
 _REF_RE = re.compile(r'\{"node": \d+\}')  # a tensor reference in JSON text
 
 
