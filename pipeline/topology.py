@@ -5,7 +5,8 @@ sharding strategies on the N-D mesh, records the producer -> consumer edges,
 groups nodes that are decided jointly, and applies the placement constraints.
 Nothing here builds a solver model; the cost stage turns the result into an MRF.
 
-Strategies (DESIGN.md "Words"; DTensor's ``OpSpec``):
+Strategies (a strategy is an output placement plus the expected input placement of each
+tensor argument: DTensor's ``OpSpec``):
 
 * ops with a *single-dim* strategy function (``op_single_dim_strategy_funcs``)
   return, for one mesh dim, the valid ``[outputs..., inputs...]`` placement
@@ -834,7 +835,7 @@ def build_topology(nodes: list[GNode], mesh: Any, mesh_shape: tuple[int, ...],
             args_text=n.args_text, kwargs_text=n.kwargs_text))
     t_strat = time.perf_counter() - t0
 
-    # The loss is Replicate (DESIGN.md): its sink accepts only Replicate. The op
+    # The 0-d loss is Replicate on every rank: its sink accepts only Replicate. The op
     # producing it may output Partial (a batch-sharded mean), and the edge into the
     # sink then pays the all-reduce, as gradient sinks pay their reduce-scatter.
     out_node = next(n for n in nodes if n.kind == "output")
