@@ -35,7 +35,8 @@ records ``code``, a hash of the stage sources on disk when the case starts (a su
 may outlive a commit: rows with different ``code`` ran different code), and reads
 everything else from the case's run record (``run.json`` in
 ``stage_dirs(load_resolved(overrides)).solve``): phase seconds (``trace``, ``topology``,
-``cost_build``, ``factor_build``, ``solve``, ``search_total``; DESIGN.md phase names),
+``cost_build``, ``factor_build``, ``solve``, ``search_total``; the phase names of
+:data:`pipeline.cli.PHASES`),
 counts, objective, lower bound, gap, status, placement hash.
 
 Results directory: with ``--fresh`` every case gets an empty results directory of its
@@ -81,6 +82,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import progress, runtime
+from pipeline.artifacts import RUN, SENTINELS
 
 __all__ = ["COLUMNS", "SUITES", "Case", "Suite", "machine_info", "main", "run_case",
            "run_suite"]
@@ -123,13 +125,13 @@ _LLAMA1B_MESHES = ("8", "8x8", "2x4x8")
 #: model, model.*, mesh, solver, solver.*, lazy_costs, so ``--only 'mesh=8 '`` selects
 #: mesh 8 and not 8x8.
 SUITES: dict[str, Suite] = {s.name: s for s in (
-    _suite("search", "issue 5: llama1b search time by mesh and cost mode, and by depth",
+    _suite("search", "llama1b search time by mesh and cost mode, and by depth",
            [f"model=llama1b mesh={m} solver=approx lazy_costs={lazy}"
             for m in _LLAMA1B_MESHES for lazy in ("true", "false")]
            # depth sweep; n_layers=16 is the mesh=2x4x8 lazy case above
            + [f"model=llama1b model.n_layers={n} mesh=2x4x8 solver=approx lazy_costs=true"
               for n in (2, 4, 8, 32, 64)]),
-    _suite("solvers", "issue 3: approx vs exact ILP (HiGHS, CBC) on llama1b",
+    _suite("solvers", "approx vs exact ILP (HiGHS, CBC) on llama1b",
            [f"model=llama1b mesh={m} {s}" for m in _LLAMA1B_MESHES for s in (
                "solver=approx",
                "solver=ilp solver.backend=highs solver.time_limit_s=600",
@@ -149,7 +151,8 @@ DEFAULT_SUITE = "search"
 # --------------------------------------------------------------------------- columns
 
 #: Output columns: (Parquet name, Arrow type name, Markdown header or None if the column
-#: is left out of the Markdown table). Phase columns use the DESIGN.md phase names.
+#: is left out of the Markdown table). Phase columns use the phase names of the run record
+#: (:data:`pipeline.cli.PHASES`).
 COLUMNS: tuple[tuple[str, str, str | None], ...] = (
     ("case_index", "int32", "#"),
     ("case", "string", None),
@@ -201,8 +204,8 @@ UNITS = {
     "revision": "git revision of the run record (+dirty: uncommitted changes)",
 }
 
-_SENTINELS = {"trace": "graph.parquet", "topology": "topology.json", "costs": "costs.json",
-              "solve": "run.json"}
+#: Sentinel file of each stage a case makes (whether a stage was reused: its mtime).
+_SENTINELS = {stage: name for stage, name in SENTINELS.items() if stage != "report"}
 
 # --------------------------------------------------------------------------- machine
 
@@ -387,7 +390,7 @@ def run_case(case: Case, index: int, results_dir: Path, log_dir: Path,
     elif dirs is None:
         error = "the case's config does not resolve, but the process succeeded"
     else:
-        path = Path(dirs.solve) / "run.json"
+        path = RUN.path(dirs.solve)
         try:
             record = json.loads(path.read_text())
             row["run_record"] = str(path)

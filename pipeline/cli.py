@@ -8,9 +8,9 @@ depends on (:func:`pipeline.config.stage_overrides`).
 Exit codes: 0 done (or reused), 2 bad configuration or usage (one line on stderr,
 nothing written), 1 a stage failed (traceback).
 
-This module also holds what both entry points share: the sentinel artifact of each
-stage (:data:`SENTINELS`) and :func:`run_stage`, which runs a stage under a lock
-on ``<stage dir>/.lock`` and reuses an existing artifact.
+This module also holds what both entry points share: :func:`run_stage`, which runs a
+stage under a lock on ``<stage dir>/.lock`` and reuses an existing artifact, judged by
+the stage's sentinel (:data:`pipeline.artifacts.SENTINELS`, re-exported here).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from pipeline.artifacts import CODE_STAMP, LOCK_FILE, SENTINELS
 from pipeline.config import (
     STAGES,
     ConfigError,
@@ -36,16 +37,11 @@ from pipeline.config import (
 
 log = logging.getLogger(__name__)
 
-#: The file each stage writes last; its presence means the stage is complete.
-SENTINELS: dict[str, str] = {
-    "trace": "graph.parquet",
-    "topology": "topology.json",
-    "costs": "costs.json",
-    "solve": "run.json",
-    "report": "runs.parquet",
-}
-
-#: Phase name (DESIGN.md, "Phase names") under which each stage is timed.
+#: Phase name under which each stage is timed by ``python -m pipeline``. The phase names
+#: are the same everywhere (run record, Parquet, benchmark, paper table): ``trace``,
+#: ``topology``, ``cost_build``, ``factor_build`` (pairwise group factors, see
+#: pipeline/costs.py), ``solve``, ``report``; ``search_total`` = trace through solve,
+#: ``wall`` = the whole process.
 PHASES: dict[str, str] = {
     "trace": "trace",
     "topology": "topology",
@@ -55,7 +51,6 @@ PHASES: dict[str, str] = {
 }
 
 _UPSTREAM: dict[str, str] = {"topology": "trace", "costs": "topology", "solve": "costs"}
-_CODE_STAMP = ".code"
 _USAGE = f"usage: python -m pipeline.cli {{{','.join(STAGES)}}} [hydra overrides...]"
 
 
@@ -77,13 +72,14 @@ def sentinel(dirs: StageDirs, stage: str) -> Path:
 
 @contextlib.contextmanager
 def stage_lock(directory: Path) -> Iterator[None]:
-    """Hold an exclusive ``fcntl.flock`` on ``directory/.lock`` (created with the directory).
+    """Hold an exclusive ``fcntl.flock`` on ``directory/.lock`` (:data:`LOCK_FILE`, created
+    with the directory).
 
     A second process writing the same stage directory waits here, then finds the
     artifact and reuses it.
     """
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "a") as fh:
+    with open(directory / LOCK_FILE, "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
@@ -91,13 +87,13 @@ def stage_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _is_current(stage: str, dirs: StageDirs, code: str) -> bool:
+def is_current(stage: str, dirs: StageDirs, code: str) -> bool:
     """Whether the stage's artifact exists, was made by the current code, and is not older
     than the artifact it was computed from (the checks Snakemake makes, for one process)."""
     done = sentinel(dirs, stage)
     if not done.exists():
         return False
-    stamp = dirs.of(stage) / _CODE_STAMP
+    stamp = dirs.of(stage) / CODE_STAMP
     if stamp.exists() and stamp.read_text().strip() != code:
         log.info("%s: code changed since %s was written; rerunning", stage, done)
         return False
@@ -108,6 +104,9 @@ def _is_current(stage: str, dirs: StageDirs, code: str) -> bool:
             log.info("%s: %s is newer than %s; rerunning", stage, src, done)
             return False
     return True
+
+
+_is_current = is_current  # the old private name (pipeline/paper.py still uses it)
 
 
 def _call_stage(stage: str, cfg: DictConfig, dirs: StageDirs) -> None:
@@ -152,7 +151,7 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
     directory = dirs.of(stage)
     code = stage_code_hash(stage)
     with stage_lock(directory):
-        if not force and stage != "report" and _is_current(stage, dirs, code):
+        if not force and stage != "report" and is_current(stage, dirs, code):
             log.info("%s: reusing %s", stage, sentinel(dirs, stage))
             return False
         log.info("%s: running in %s", stage, directory)
@@ -164,7 +163,7 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
         if not sentinel(dirs, stage).exists():
             raise FileNotFoundError(
                 f"stage {stage} finished without writing {sentinel(dirs, stage)}")
-        (directory / _CODE_STAMP).write_text(code + "\n")
+        (directory / CODE_STAMP).write_text(code + "\n")
     return True
 
 
@@ -172,9 +171,10 @@ def _remove_if_empty(directory: Path) -> None:
     """After a failed stage: drop its directory if only the lock file is in it, so a
     failure leaves nothing half-made behind (the lock is released by then only on
     POSIX unlink semantics, which keep the open descriptor valid)."""
-    entries = [p for p in directory.iterdir() if p.name != ".lock"] if directory.exists() else []
+    entries = ([p for p in directory.iterdir() if p.name != LOCK_FILE]
+               if directory.exists() else [])
     if not entries and directory.exists():
-        (directory / ".lock").unlink(missing_ok=True)
+        (directory / LOCK_FILE).unlink(missing_ok=True)
         try:
             directory.rmdir()
         except OSError:

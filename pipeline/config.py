@@ -1,6 +1,6 @@
 """Configuration: Hydra structured configs, validation, resolution and result paths.
 
-Hydra is the single source of configuration (DESIGN.md, "Config"). This module
+Hydra is the single source of configuration (every key: docs/config.md). This module
 
 * declares the schema (:class:`Config` and its parts) and registers it in Hydra's
   ``ConfigStore`` (:func:`register_configs`); the YAML files under ``conf/`` are
@@ -94,10 +94,14 @@ DEFAULT_MESH_NAMES: dict[int, list[str]] = {1: ["dp"], 2: ["dp", "tp"], 3: ["dp"
 #: Source files (globs relative to the project root) whose content keys each stage's code.
 STAGE_SOURCES: dict[str, tuple[str, ...]] = {
     "trace": ("pipeline/trace.py", "pipeline/models/*.py"),
-    "topology": ("pipeline/topology/*.py", "pipeline/ir.py", "pipeline/placements.py"),
-    "costs": ("pipeline/costs.py", "pipeline/ir.py", "pipeline/costmodel/*.py"),
-    "solve": ("pipeline/solve.py", "pipeline/solvers/*.py"),
-    "report": ("pipeline/report.py",),
+    "topology": ("pipeline/topology/*.py", "pipeline/ir.py", "pipeline/placements.py",
+                 "pipeline/artifacts.py"),
+    "costs": ("pipeline/costs.py", "pipeline/ir.py", "pipeline/costmodel/*.py",
+              "pipeline/budget.py", "pipeline/artifacts.py"),
+    # breakdown.py is cost-model code run by solve (the record's cost parts)
+    "solve": ("pipeline/solve.py", "pipeline/solvers/*.py", "pipeline/breakdown.py",
+              "pipeline/artifacts.py"),
+    "report": ("pipeline/report.py", "pipeline/artifacts.py"),
     "paper": ("pipeline/paper.py",),
 }
 
@@ -722,7 +726,8 @@ def config_hash(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
-#: Top-level keys each stage depends on, cumulatively (DESIGN.md, "Stages and artifacts").
+#: Top-level keys each stage depends on, cumulatively: a stage's directory is keyed by a
+#: hash of exactly these (its artifacts: pipeline/artifacts.py).
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "trace": ("model",),
     "topology": ("model", "mesh", "mesh_names", "constraints", "repeated_subgraphs"),

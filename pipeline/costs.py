@@ -1,6 +1,7 @@
-"""Stage 3 - costs: unary and pairwise factors of the placement MRF.
+"""Stage 3 - costs: the placement MRF, complete: unary and pairwise factors and the
+constraint rows.
 
-Objective (DESIGN.md "Words")::
+Objective (the same words as pipeline/solvers/mrf.py)::
 
     E(x) = sum_v U_v(x_v) + sum_e B_e(x_u, x_v)
 
@@ -25,14 +26,25 @@ groups accumulate into one factor over the joint classes of the member edges.
 Every sum runs in graph-edge order, so eager and lazy costs give bit-identical
 factors.
 
-Eager: every factor is computed here, one table per graph edge, and written to
-``factors.npz``. Lazy: only the resolved cost model (``costs.json``) is
-written; the solver asks for a group factor on first use, and edge tables are
-memoised by signature (shape, dtype, placement classes), so the copies of a
-repeated layer share one table. A lazy group factor gathers one member edge per
-edge class (:meth:`CostModel.edge_classes`) and adds it once per member, in
-graph-edge order, so its cost grows with depth only by those additions and the
-values equal the eager ones bit for bit.
+The MRF also carries the parameter-memory budget row
+(``constraints.param_memory``, pipeline/budget.py), built here with the unaries.
+
+Eager: every factor is computed here, one table per graph edge, and the complete
+MRF (with its rows) is written to ``factors.npz``; ``costs.json`` holds the counts and
+the budget's facts. Lazy: only the resolved cost model (``costs.json``) is written;
+the solve stage builds the MRF with :func:`build_mrf` (:func:`load_costs`), the
+solver asks for a group factor on first use, and edge tables are memoised by
+signature (shape, dtype, placement classes), so the copies of a repeated layer share
+one table. A lazy group factor gathers one member edge per edge class
+(:meth:`CostModel.edge_classes`) and adds it once per member, in graph-edge order, so
+its cost grows with depth only by those additions and the values equal the eager ones
+bit for bit.
+
+Phases: ``factor_build`` is the time spent building pairwise group factors
+(:attr:`FactorProvider.factor_seconds`), in the costs stage when eager, inside the
+solver when lazy; ``cost_build`` is the rest of the cost work (reading the topology,
+unaries, the budget row, writing or reading ``factors.npz``). The explanation of a
+plan (per-node cost parts, redistributions) is pipeline/breakdown.py.
 """
 
 from __future__ import annotations
@@ -47,7 +59,16 @@ from typing import Any
 
 import numpy as np
 
-from pipeline import progress, runtime
+from pipeline import artifacts, progress, runtime
+from pipeline.artifacts import (  # noqa: F401 - file names and the factors.npz format
+    COSTS,
+    COSTS_FILE,
+    FACTORS,
+    FACTORS_FILE,
+    load_factors,
+    save_factors,
+)
+from pipeline.budget import ParamBudget, check_budget_feasible, param_budget
 from pipeline.ir import TENSOR_REF_RE as _REF_RE
 from pipeline.ir import decode_shared as _decode_shared
 from pipeline.ir import tensor_refs as _refs_in
@@ -58,8 +79,6 @@ from pipeline.topology import TopologyTables, read_topology
 
 log = logging.getLogger(__name__)
 
-COSTS_FILE = "costs.json"
-FACTORS_FILE = "factors.npz"
 TRANSITION_COST = 1.0
 _NO_COMPUTE = ("placeholder", "getitem", "output")
 def itemsize(dtype: str) -> int:
@@ -86,26 +105,25 @@ class FactorStats:
     unary_vectors: int = 0
     edge_tables: int = 0
     group_factors: int = 0
-    seconds: float = 0.0
 
 
 class CostModel:
     """Node-level unary vectors and edge tables over placement classes.
 
     Args:
-        tt: topology tables (pipeline.topology.read_topology).
+        topology: topology tables (pipeline.topology.read_topology).
         hw: HardwareConfig (or a DictConfig with the same fields).
         memoise: memoise edge tables by signature (lazy mode); eager mode
             computes one table per graph edge.
     """
 
-    def __init__(self, tt: TopologyTables, hw: Any, memoise: bool):
-        self.tt = tt
+    def __init__(self, topology: TopologyTables, hw: Any, memoise: bool):
+        self.topology = topology
         self.hw = hw
         self.memoise = memoise
-        self.mesh_shape = tuple(int(s) for s in tt.summary["mesh"])
+        self.mesh_shape = tuple(int(s) for s in topology.summary["mesh"])
         self.ndim = len(self.mesh_shape)
-        n = tt.nodes
+        n = topology.nodes
         self.num_nodes = len(n["id"])
         self.target = n["target"]
         self.slist = n["slist"]
@@ -123,7 +141,7 @@ class CostModel:
         self._unary_memo: dict[str, np.ndarray] = {}
         self._unary_of: list[np.ndarray | None] = [None] * self.num_nodes
         self._table_memo: dict[tuple, np.ndarray] = {}
-        e = tt.edges
+        e = topology.edges
         self.edges = list(zip(e["producer"], e["element"], e["consumer"], e["arg"]))
         self._edge_cls: np.ndarray | None = None
 
@@ -135,7 +153,7 @@ class CostModel:
         key = (s, element)
         hit = self._out_cls.get(key)
         if hit is None:
-            texts = self.tt.slist_outputs[s]
+            texts = self.topology.slist_outputs[s]
             if element >= 0:
                 texts = [_element_text(t, element, self.ndim) for t in texts]
             hit = self._out_cls[key] = _classes(texts, self.ndim)
@@ -147,7 +165,7 @@ class CostModel:
         key = (s, arg)
         hit = self._in_cls.get(key)
         if hit is None:
-            texts = [ins[arg] for ins in self.tt.slist_inputs[s]]
+            texts = [ins[arg] for ins in self.topology.slist_inputs[s]]
             hit = self._in_cls[key] = _classes(texts, self.ndim)
         return hit
 
@@ -160,7 +178,7 @@ class CostModel:
             return hit
         target = self.target[node]
         if target in _NO_COMPUTE:
-            return np.zeros(len(self.tt.slist_outputs[self.slist[node]]))
+            return np.zeros(len(self.topology.slist_outputs[self.slist[node]]))
         # Memo key: the arguments with node references blanked (tensor arguments are
         # described by the metadata texts), so the copies of a repeated layer share one
         # vector.
@@ -179,7 +197,7 @@ class CostModel:
         from pipeline.costmodel.compute import is_view_op, op_flops, roofline_us
 
         s = self.slist[node]
-        outs, ins = self.tt.slist_outputs[s], self.tt.slist_inputs[s]
+        outs, ins = self.topology.slist_outputs[s], self.topology.slist_inputs[s]
         target = self.target[node]
         if is_view_op(target):
             return np.zeros(len(outs))
@@ -304,9 +322,9 @@ class GroupStructure:
     extra: dict = field(default_factory=dict)
 
 
-def group_structure(tt: TopologyTables) -> GroupStructure:
+def group_structure(topology: TopologyTables) -> GroupStructure:
     """Fold the node graph into the group graph (see module docstring)."""
-    n = tt.nodes
+    n = topology.nodes
     group_of = np.asarray(n["group"], dtype=np.int64)
     num_groups = int(group_of.max()) + 1 if len(group_of) else 0
     members: list[list[int]] = [[] for _ in range(num_groups)]
@@ -317,7 +335,7 @@ def group_structure(tt: TopologyTables) -> GroupStructure:
     pairs: list[tuple[int, int]] = []
     edge_members: list[list[tuple[int, bool]]] = []
     self_edges: list[list[int]] = [[] for _ in range(num_groups)]
-    e = tt.edges
+    e = topology.edges
     for k, (u, v) in enumerate(zip(e["producer"], e["consumer"])):
         gu, gv = int(group_of[u]), int(group_of[v])
         if gu == gv:
@@ -338,28 +356,35 @@ class FactorProvider:
     """Computes group unaries and group factors from a CostModel, memoised.
 
     ``factor(e)`` is the MRF's pairwise callable; in lazy mode it is called by
-    the solver on first use. ``seconds`` accumulates the time spent building
-    factors (reported as the ``factor_build`` phase).
+    the solver on first use. ``factor_seconds`` accumulates the time spent building
+    pairwise group factors (the ``factor_build`` phase), ``unary_seconds`` the time
+    spent on the group unaries.
     """
 
-    def __init__(self, cm: CostModel, gs: GroupStructure):
-        self.cm = cm
-        self.gs = gs
+    def __init__(self, cost_model: CostModel, groups: GroupStructure):
+        self.cost_model = cost_model
+        self.groups = groups
         self._factors: dict[int, PairwiseFactor] = {}
-        self.seconds = 0.0
+        self.unary_seconds = 0.0
+        self.factor_seconds = 0.0
+
+    @property
+    def num_built(self) -> int:
+        """Group factors built so far."""
+        return len(self._factors)
 
     def unaries(self) -> list[np.ndarray]:
         start = time.perf_counter()
         out = []
-        for g, mem in enumerate(self.gs.members):
-            u = np.zeros(int(self.gs.domain[g]))
+        for g, mem in enumerate(self.groups.members):
+            u = np.zeros(int(self.groups.domain[g]))
             for node in mem:
-                u = u + self.cm.unary(node)
-            for e in self.gs.self_edges[g]:
-                r, c, t = self.cm.edge_table(e)
+                u = u + self.cost_model.unary(node)
+            for e in self.groups.self_edges[g]:
+                r, c, t = self.cost_model.edge_table(e)
                 u = u + t[r, c]
             out.append(u)
-        self.seconds += time.perf_counter() - start
+        self.unary_seconds += time.perf_counter() - start
         return out
 
     def factor(self, ge: int) -> PairwiseFactor:
@@ -367,14 +392,14 @@ class FactorProvider:
         if hit is not None:
             return hit
         start = time.perf_counter()
-        members = self.gs.edge_members[ge]
+        members = self.groups.edge_members[ge]
         # Distinct member edges: with memoised costs, one per (edge class, flipped), so
         # the copies of a repeated layer are gathered once; eager costs keep one per
         # graph edge (its own table), so lazy == eager checks the class key. Dropping
         # repeated class columns leaves the joint classes (np.unique over rows, in
         # lexicographic order) and their order unchanged.
-        if self.cm.memoise:
-            cls = self.cm.edge_classes()
+        if self.cost_model.memoise:
+            cls = self.cost_model.edge_classes()
             slot: dict[tuple[int, bool], int] = {}
             seq = [slot.setdefault((int(cls[e]), flipped), len(slot)) for e, flipped in members]
             distinct = [None] * len(slot)
@@ -386,7 +411,7 @@ class FactorProvider:
             distinct = list(members)
         rows, cols, tables = [], [], []
         for e, flipped in distinct:
-            r, c, t = self.cm.edge_table(e)
+            r, c, t = self.cost_model.edge_table(e)
             if flipped:
                 r, c, t = c, r, t.T
             rows.append(r)
@@ -404,92 +429,149 @@ class FactorProvider:
             f = PairwiseFactor(rinv.reshape(-1).astype(np.int32),
                                cinv.reshape(-1).astype(np.int32), table)
         self._factors[ge] = f
-        self.cm.stats.group_factors += 1
-        self.seconds += time.perf_counter() - start
+        self.cost_model.stats.group_factors += 1
+        self.factor_seconds += time.perf_counter() - start
         return f
 
     def materialise_all(self) -> list[PairwiseFactor]:
         """Every group factor, in group-edge order (eager costs); a progress bar on a
         terminal (pipeline/progress.py)."""
-        edges = range(len(self.gs.edge_members))
+        edges = range(len(self.groups.edge_members))
         with progress.bar(edges, desc="costs: factors", unit="factor") as bar:
             return [self.factor(e) for e in bar]
 
 
-def build_mrf(tt: TopologyTables, hw: Any, lazy: bool) -> tuple[MRF, FactorProvider]:
-    """The group MRF of a topology; lazy leaves pairwise factors to first use."""
-    cm = CostModel(tt, hw, memoise=lazy)
-    gs = group_structure(tt)
-    fp = FactorProvider(cm, gs)
-    unary = fp.unaries()
+# --------------------------------------------------------------------------- the stage
+
+
+@dataclass
+class Costs:
+    """What the costs stage hands to the solve stage.
+
+    Attributes:
+        mrf: the complete MRF: group unaries, pairwise factors and constraint rows
+            (the parameter-memory budget).
+        budget: the budget's facts for the run record (None without a budget).
+        factor_provider: lazy costs: the provider that builds the factors on first
+            use (and its cost model); None when the factors were read from
+            ``factors.npz``.
+        topology, hardware: what the costs were computed from.
+        record: ``costs.json`` (empty before the stage has written it).
+    """
+
+    mrf: MRF
+    budget: ParamBudget | None
+    factor_provider: FactorProvider | None
+    topology: TopologyTables
+    hardware: Any
+    record: dict[str, Any] = field(default_factory=dict)
+
+    def cost_model(self) -> CostModel:
+        """The cost model to explain a plan with (pipeline/breakdown.py): lazy, the one
+        behind the factors (its memoised tables are reused); eager, a new memoising
+        one over the same topology and hardware (same values)."""
+        if self.factor_provider is not None:
+            return self.factor_provider.cost_model
+        return CostModel(self.topology, self.hardware, memoise=True)
+
+    def factor_counts(self) -> dict[str, int | None]:
+        """Unary vectors, edge tables and group factors materialised, and their total:
+        lazy, counted in this process so far; eager, as the costs stage recorded."""
+        if self.factor_provider is not None:
+            stats = self.factor_provider.cost_model.stats
+            counts: dict[str, Any] = {"unary_vectors": stats.unary_vectors,
+                                      "edge_tables": stats.edge_tables,
+                                      "group_factors": stats.group_factors}
+        else:
+            counts = self.record.get("counts", {})
+        out = {k: counts.get(k) for k in ("unary_vectors", "edge_tables", "group_factors")}
+        out["total"] = sum(v or 0 for v in out.values())
+        return out
+
+
+def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
+              param_memory: dict[str, Any] | None = None) -> Costs:
+    """The complete group MRF of a topology; lazy leaves pairwise factors to first use.
+
+    ``param_memory``: ``constraints.param_memory`` as plain data (``{low, high}``), or
+    None for no budget row.
+
+    Raises:
+        PlanError: the pins leave the budget infeasible (before any factor is built).
+    """
+    cost_model = CostModel(topology, hw, memoise=lazy)
+    groups = group_structure(topology)
+    provider = FactorProvider(cost_model, groups)
+    mrf = MRF(domain_sizes=groups.domain.copy(), unary=provider.unaries(),
+              edges=groups.edges.copy(), factor=provider.factor)
+    budget = None
+    if param_memory is not None:
+        pins = topology.summary.get("pins", {})
+        budget = param_budget(topology, groups.group_of, np.asarray(mrf.domain_sizes),
+                              param_memory, set(pins))
+        if budget is not None and budget.constraint is not None:
+            check_budget_feasible(budget, mrf.unary, pins)
+            mrf.linear_constraints = [budget.constraint]
     if not lazy:
-        fp.materialise_all()
-    mrf = MRF(domain_sizes=gs.domain.copy(), unary=unary, edges=gs.edges.copy(),
-              factor=fp.factor)
-    return mrf, fp
+        provider.materialise_all()
+    return Costs(mrf, budget, provider, topology, hw)
 
 
-# --------------------------------------------------------------------------- artifacts
+def param_memory_config(cfg: Any) -> dict[str, Any] | None:
+    """``constraints.param_memory`` of a resolved config as plain data (None: no budget)."""
+    from omegaconf import OmegaConf
+
+    pm = cfg.constraints.param_memory
+    return None if pm is None else OmegaConf.to_container(pm, resolve=True)
 
 
-def save_factors(path: Path, mrf: MRF, factors: list[PairwiseFactor]) -> None:
-    """Write every unary and pairwise factor to ``factors.npz`` (atomically)."""
-    uoff = np.cumsum([0] + [len(u) for u in mrf.unary])
-    roff = np.cumsum([0] + [len(f.row_cls) for f in factors])
-    coff = np.cumsum([0] + [len(f.col_cls) for f in factors])
-    toff = np.cumsum([0] + [f.table.size for f in factors])
-    tshape = np.array([f.table.shape for f in factors], dtype=np.int64).reshape(len(factors), 2)
-    def cat(xs: list, dt: Any) -> np.ndarray:
-        return np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)
-
-    with runtime.atomic_path(path) as tmp:
-        with open(tmp, "wb") as fh:
-            np.savez(fh, domain=mrf.domain_sizes, edges=mrf.edges,
-                     unary=cat(list(mrf.unary), np.float64), unary_off=uoff,
-                     row=cat([f.row_cls for f in factors], np.int32), row_off=roff,
-                     col=cat([f.col_cls for f in factors], np.int32), col_off=coff,
-                     table=cat([f.table.ravel() for f in factors], np.float64), table_off=toff,
-                     table_shape=tshape, constant=np.array([mrf.constant]))
-
-
-def load_factors(path: Path) -> MRF:
-    """Read ``factors.npz`` back into an eager MRF (bit-identical values)."""
-    with np.load(path) as npz:  # NpzFile re-reads (and copies) an array on every z[key]
-        z = {k: npz[k] for k in npz.files}
-    uoff, roff, coff, toff = z["unary_off"], z["row_off"], z["col_off"], z["table_off"]
-    unary = [z["unary"][uoff[g]:uoff[g + 1]] for g in range(len(uoff) - 1)]
-    factors = []
-    for e in range(len(roff) - 1):
-        shape = tuple(z["table_shape"][e])
-        factors.append(PairwiseFactor(z["row"][roff[e]:roff[e + 1]],
-                                      z["col"][coff[e]:coff[e + 1]],
-                                      z["table"][toff[e]:toff[e + 1]].reshape(shape)))
-    return MRF(domain_sizes=z["domain"], unary=unary, edges=z["edges"],
-               factor=factors.__getitem__, constant=float(z["constant"][0]))
+def load_costs(cfg: Any, topology: TopologyTables, costs_dir: Path) -> Costs:
+    """The costs of a run for the solve stage: eager, the MRF of ``factors.npz`` and the
+    budget facts of ``costs.json``; lazy, :func:`build_mrf` (factors on first use)."""
+    record = artifacts.read_json(COSTS, costs_dir)
+    if bool(cfg.lazy_costs):
+        costs = build_mrf(topology, cfg.hardware, lazy=True,
+                          param_memory=param_memory_config(cfg))
+    else:
+        mrf = load_factors(FACTORS.path(costs_dir))
+        budget = None
+        if record.get("param_memory") is not None:
+            row = next((r for r in mrf.linear_constraints if r.name == "param_memory"), None)
+            budget = ParamBudget.from_record(record["param_memory"], row)
+        costs = Costs(mrf, budget, None, topology, cfg.hardware)
+    costs.record = record
+    return costs
 
 
 def run_costs(cfg: Any, topology_dir: Path, out_dir: Path) -> None:
-    """Stage entry point. Eager: write ``factors.npz``; both: ``costs.json`` last."""
+    """Stage entry point. Eager: build the complete MRF and write ``factors.npz``; both:
+    ``costs.json`` last (with the eager counts and the budget's facts)."""
     from omegaconf import OmegaConf
 
     timer = runtime.PhaseTimer()
     lazy = bool(cfg.lazy_costs)
     hw = cfg.hardware
-    counts: dict[str, Any] = {}
+    extra: dict[str, Any] = {"counts": {}}
     if not lazy:
-        with timer.phase("cost_build"):
-            tt = read_topology(Path(topology_dir))
-            mrf, fp = build_mrf(tt, hw, lazy=False)
-        with timer.phase("factor_build"):
-            factors = fp.materialise_all()
-            save_factors(Path(out_dir) / FACTORS_FILE, mrf, factors)
-        counts = {"unary_vectors": fp.cm.stats.unary_vectors,
-                  "edge_tables": fp.cm.stats.edge_tables,
-                  "group_factors": fp.cm.stats.group_factors,
-                  "groups": mrf.num_groups, "group_edges": mrf.num_edges}
-    runtime.write_json(Path(out_dir) / COSTS_FILE, {
+        start = time.perf_counter()
+        costs = build_mrf(read_topology(Path(topology_dir)), hw, lazy=False,
+                          param_memory=param_memory_config(cfg))
+        provider = costs.factor_provider
+        pairwise = [costs.mrf.factor(e) for e in range(costs.mrf.num_edges)]  # built above
+        save_factors(FACTORS.path(out_dir), costs.mrf, pairwise)
+        # factor_build: pairwise group factors, as inside the solver with lazy costs
+        timer.add("cost_build", time.perf_counter() - start - provider.factor_seconds)
+        timer.add("factor_build", provider.factor_seconds)
+        stats = provider.cost_model.stats
+        extra["counts"] = {"unary_vectors": stats.unary_vectors,
+                           "edge_tables": stats.edge_tables,
+                           "group_factors": stats.group_factors,
+                           "groups": costs.mrf.num_groups, "group_edges": costs.mrf.num_edges}
+        if costs.budget is not None:
+            extra["param_memory"] = costs.budget.to_record()
+    artifacts.write_json(COSTS, out_dir, {
         "stage": "costs", "mode": "lazy" if lazy else "eager",
         "hardware": OmegaConf.to_container(hw, resolve=True),
-        "transition_cost": TRANSITION_COST, "counts": counts,
+        "transition_cost": TRANSITION_COST, **extra,
         "phase_seconds": timer.seconds, "peak_rss_bytes": runtime.peak_rss_bytes(),
         "git": runtime.git_revision()})

@@ -11,7 +11,7 @@ runs in ``paper.runs``: run sets, each a list of Hydra overrides in the multirun
 Three sets are read:
 
 * ``eager_vs_lazy``: the eager-vs-lazy table at mesh ``paper.table_mesh``
-  (:func:`eager_vs_lazy_table`; columns as DESIGN.md maps them: Optimizer init =
+  (:func:`eager_vs_lazy_table`; columns from the run record's phases: Optimizer init =
   topology + cost_build, Factor build = factor_build, TRW-S solve = solve, Search
   total = search_total, Peak RSS = ``peak_rss_bytes.max``; plus the delta lazy - eager
   in seconds and percent), the per-phase time figure and the peak-RSS figure;
@@ -80,7 +80,7 @@ ARTIFACTS: dict[str, tuple[str, ...]] = {
 SIDECAR_SUFFIX = ".provenance.json"
 PROVENANCE_FILE = "provenance.json"
 
-#: Phases of a search, in order (DESIGN.md, "Phase names").
+#: Phases of a search, in order (the phase names of :data:`pipeline.cli.PHASES`).
 SEARCH_PHASES: tuple[str, ...] = ("trace", "topology", "cost_build", "factor_build", "solve")
 
 #: Columns of the eager-vs-lazy table: (Parquet column, Markdown header, unit, source).

@@ -171,7 +171,9 @@ def solution_detail(solve_dir: Path) -> list[dict[str, Any]]:
     """One entry per graph node of ``solution.parquet`` (graph order)."""
     import pyarrow.parquet as pq
 
-    rows = pq.read_table(Path(solve_dir) / "solution.parquet").to_pylist()
+    from pipeline.artifacts import SOLUTION
+
+    rows = pq.read_table(SOLUTION.path(solve_dir)).to_pylist()
     for row in rows:
         row.pop("run_id", None)
     return rows

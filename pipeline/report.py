@@ -9,8 +9,10 @@
   src/dst placements, the collectives DTensor would run (``reduce_scatter(dp)``...),
   bytes and µs.
 
-Both load with pandas, polars or duckdb. Rows are sorted by run directory so
-the files are deterministic for a given set of runs.
+All load with pandas, polars or duckdb. Rows are sorted by run directory so
+the files are deterministic for a given set of runs. File names and schema versions:
+pipeline/artifacts.py (a run record's own version is its ``schema_version`` column;
+records written before versioning have none).
 """
 
 from __future__ import annotations
@@ -23,13 +25,22 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline import runtime
+from pipeline import artifacts, runtime
+from pipeline.artifacts import (  # noqa: F401 - file names, re-exported
+    PLACEMENTS,
+    PLACEMENTS_FILE,
+    REDISTRIBUTIONS,
+    REPORT_REDISTRIBUTIONS,
+    RUN,
+    RUNS,
+    RUNS_FILE,
+    SOLUTION,
+)
 
 log = logging.getLogger(__name__)
 
-RUNS_FILE = "runs.parquet"
-PLACEMENTS_FILE = "placements.parquet"
-REDISTRIBUTIONS_FILE = "redistributions.parquet"
+#: ``redistributions.parquet`` of the report directory (the union of the runs' tables).
+REDISTRIBUTIONS_FILE = REPORT_REDISTRIBUTIONS.name
 _SKIP = ("config", "bound_history")
 
 
@@ -50,7 +61,7 @@ def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def run_rows(results_dir: Path) -> list[dict[str, Any]]:
     """Flattened run records of every ``runs/**/run.json`` (sorted by path)."""
     rows = []
-    for path in sorted(Path(results_dir, "runs").glob("**/run.json")):
+    for path in sorted(Path(results_dir, "runs").glob(f"**/{RUN.name}")):
         rec = json.loads(path.read_text())
         row = flatten({k: v for k, v in rec.items() if k not in _SKIP})
         row["config_json"] = json.dumps(rec.get("config", {}), sort_keys=True)
@@ -59,21 +70,22 @@ def run_rows(results_dir: Path) -> list[dict[str, Any]]:
 
 
 def run_report(results_dir: Path) -> None:
-    """Write ``report/runs.parquet`` and ``report/placements.parquet`` atomically."""
+    """Write ``report/runs.parquet``, ``report/placements.parquet`` and
+    ``report/redistributions.parquet`` atomically (``runs.parquet``, the sentinel,
+    last); an empty results directory gives empty tables."""
     results_dir = Path(results_dir)
     out = results_dir / "report"
     rows = run_rows(results_dir)
     keys = sorted({k for r in rows for k in r})
     cols = {k: [r.get(k) for r in rows] for k in keys}
     table = pa.table({k: _column(v) for k, v in cols.items()}) if rows else pa.table({})
-    runtime.write_parquet(out / RUNS_FILE, table, metadata={
+    placements = _union(results_dir, SOLUTION.name)
+    artifacts.write_table(PLACEMENTS, out, placements, metadata={"runs": len(rows)})
+    redistributions = _union(results_dir, REDISTRIBUTIONS.name)
+    artifacts.write_table(REPORT_REDISTRIBUTIONS, out, redistributions,
+                          metadata={"runs": len(rows)})
+    artifacts.write_table(RUNS, out, table, metadata={
         "runs": len(rows), "git": runtime.git_revision()})
-    placements = _union(results_dir, "solution.parquet")
-    runtime.write_parquet(out / PLACEMENTS_FILE, placements,
-                          metadata={"runs": len(rows)})
-    redistributions = _union(results_dir, "redistributions.parquet")
-    runtime.write_parquet(out / REDISTRIBUTIONS_FILE, redistributions,
-                          metadata={"runs": len(rows)})
     log.info("report: %d runs, %d placement rows, %d redistribution rows -> %s", len(rows),
              placements.num_rows, redistributions.num_rows, out)
 

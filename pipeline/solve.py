@@ -1,19 +1,29 @@
 """Stage 4 - solve: choose a strategy per group and write the plan and run record.
 
-Solvers (pipeline/solvers/, all on the flat MRF of pipeline/costs.py):
+Solvers (pipeline/solvers/, all on the complete MRF the costs stage hands over,
+:func:`pipeline.costs.load_costs`: factors and the parameter-memory row):
 
 * ``approx``: TRW-S (Kolmogorov 2006) then local-search polish; status
-  ``Heuristic`` unless its lower bound certifies the objective (``Optimal``).
-  Never imports PuLP unless ``optimality_check=true``.
-* ``ilp``: the exact integer program (PuLP/CBC or HiGHS); ``lp``: its LP
-  relaxation, accepted only when integral.
+  ``Heuristic`` unless its lower bound certifies the objective (``Optimal``); a
+  constraint row goes through Lagrangian relaxation. Never imports PuLP unless
+  ``optimality_check=true``.
+* ``ilp``: the exact integer program, built in numpy (pipeline/solvers/ilp.py) and
+  solved by HiGHS or CBC; ``lp``: its LP relaxation, accepted only when integral.
+  With ``solver.prune`` (the default) TRW-S runs first and exact reduced-cost fixing
+  (pipeline/solvers/pruning.py) drops labels that are in no plan as cheap as
+  TRW-S's; the ``presolve`` field of the record says how many.
 
-The lower bound is for the problem *as posed*: the tied groups, all
-constraints, every candidate strategy (no pruning).
+The lower bound is for the problem *as posed*: the tied groups, all constraints,
+every candidate strategy. Pruning removes only labels no optimal plan uses, so a
+bound of the pruned program is one of the full problem.
+
+The per-node cost parts and the redistributions of the plan come from the costs
+stage (pipeline/breakdown.py); this stage solves and records.
 
 Outputs (in the solve directory): ``solution.parquet`` (one row per node: the
 placements table), ``redistributions.parquet`` (one row per edge whose placements
-differ: the collectives of the plan) and ``run.json`` (the run record, written last).
+differ: the collectives of the plan) and ``run.json`` (the run record, written last);
+names and schema versions in pipeline/artifacts.py.
 """
 
 from __future__ import annotations
@@ -21,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import logging
 import math
 import time
@@ -32,24 +41,24 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pipeline import progress, runtime
-from pipeline.costs import (
-    COSTS_FILE,
-    FACTORS_FILE,
-    TRANSITION_COST,
-    CostModel,
-    build_mrf,
-    group_structure,
-    load_factors,
+from pipeline import artifacts, progress, runtime
+from pipeline.artifacts import (  # noqa: F401 - file names, re-exported
+    GRAPH,
+    REDISTRIBUTIONS,
+    REDISTRIBUTIONS_FILE,
+    RUN,
+    RUN_FILE,
+    SOLUTION,
+    SOLUTION_FILE,
 )
-from pipeline.topology import TOPOLOGY_FILE, TopologyTables, read_topology
+from pipeline.breakdown import plan_breakdown
+from pipeline.costs import Costs, group_structure, load_costs
+from pipeline.topology import TopologyTables, read_topology
 
 log = logging.getLogger(__name__)
 
-SOLUTION_FILE = "solution.parquet"
-REDISTRIBUTIONS_FILE = "redistributions.parquet"
-RUN_FILE = "run.json"
-BOUND_PROBLEM = "as posed (tied groups, all constraints, no candidate pruning)"
+#: The problem ``lower_bound`` holds for (``lower_bound_problem`` in the run record).
+BOUND_PROBLEM = "as posed (tied groups, all constraints, every candidate strategy)"
 
 
 def placement_hash(names: list[str], outputs: list[str], inputs: list[list[str]]) -> str:
@@ -58,68 +67,6 @@ def placement_hash(names: list[str], outputs: list[str], inputs: list[list[str]]
     for n, o, i in zip(names, outputs, inputs):
         h.update(f"{n}\t{o}\t{','.join(i)}\n".encode())
     return h.hexdigest()
-
-
-def node_costs(cm: CostModel, strategy: np.ndarray,
-               mesh_names: list[str] | None = None) -> dict[str, Any]:
-    """Per-node cost parts of a plan (µs): compute, and over incoming edges the
-    redistribution (comm) and transition parts; ``inf`` comm for an illegal edge.
-
-    Each edge is costed for its chosen pair with the scalar ``redistribute_steps``
-    (bit-identical to the table entries the solver used), once per (edge class,
-    source class, destination class) (:meth:`CostModel.edge_classes`: the copies of a
-    repeated layer share one costing).
-    Also returns ``"redistributions"``: one row per graph edge whose producer and
-    consumer placements differ (see :func:`redistribution_table`).
-    """
-    from pipeline.costmodel.redistribute import KINDS, redistribute_steps
-    from pipeline.costs import itemsize
-    from pipeline.placements import format_placements
-
-    COLLECTIVES = KINDS[:4]  # noqa: N806 - all_gather, reduce_scatter, all_reduce, all_to_all
-    names = mesh_names or [str(i) for i in range(len(cm.mesh_shape))]
-    n = cm.num_nodes
-    strat = strategy.tolist()
-    compute = np.array([cm.unary(v)[strat[v]] for v in range(n)])
-    comm = np.zeros(n)
-    trans = np.zeros(n)
-    rows: list[dict[str, Any]] = []
-    classes = cm.edge_classes().tolist()
-    # (edge class, src class, dst class) -> (µs, differ, row fields of a redistribution)
-    memo: dict[tuple[int, int, int], tuple[float, bool, dict[str, Any] | None]] = {}
-    for (u, element, v, a), ec in zip(cm.edges, classes):
-        r, srcs = cm.out_classes(u, element)
-        c, dsts = cm.in_classes(v, a)
-        i, j = int(r[strat[u]]), int(c[strat[v]])
-        hit = memo.get((ec, i, j))
-        if hit is None:
-            src, dst = srcs[i], dsts[j]
-            meta = cm.in_metas[v][a]
-            steps = redistribute_steps(meta["shape"], itemsize(meta["dtype"]), src, dst,
-                                       cm.mesh_shape, cm.hw)
-            us = math.inf if steps is None else 0.0
-            for st in steps or ():
-                us += st.us
-            fields = None
-            if src != dst:
-                coll = [st for st in steps or () if st.kind in COLLECTIVES]
-                fields = {
-                    "shape": [int(x) for x in meta["shape"]], "dtype": str(meta["dtype"]),
-                    "src_placement": format_placements(src),
-                    "dst_placement": format_placements(dst),
-                    "collectives": [f"{st.kind}({names[st.mesh_dim]})" for st in coll],
-                    "_collective_steps": coll,
-                    "bytes": 0 if steps is None else int(sum(st.bytes for st in steps)),
-                    "comm_us": us}
-            hit = memo[(ec, i, j)] = (us, src != dst, fields)
-        us, differ, fields = hit
-        comm[v] += us
-        if differ:
-            trans[v] += TRANSITION_COST
-            rows.append({"producer": int(u), "element": int(element), "consumer": int(v),
-                         "arg": int(a), **fields})
-    return {"compute_us": compute, "comm_us": comm, "transition_us": trans,
-            "redistributions": rows}
 
 
 def redistribution_table(run_id: str, rows: list[dict[str, Any]],
@@ -161,7 +108,7 @@ def collective_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     (e.g. ``reduce_scatter(dp)``), summed per step of every redistribution."""
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
-        for name, st in zip(r["collectives"], r["_collective_steps"]):
+        for name, st in zip(r["collectives"], r["collective_steps"]):
             d = out.setdefault(name, {"count": 0, "bytes": 0, "us": 0.0})
             d["count"] += 1
             d["bytes"] += int(st.bytes)
@@ -170,21 +117,20 @@ def collective_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def _lazy_factor_progress(mrf: Any, fp: Any) -> Iterator[Any]:
+def _lazy_factor_progress(mrf: Any, factor_provider: Any) -> Iterator[Any]:
     """Yield ``mrf`` with a ``factor`` that advances a progress bar while the lazy
     factors are built (on a terminal only, pipeline/progress.py); the bar closes when
     every group factor exists. Values and call order are unchanged."""
-    if fp is None or not progress.enabled():
+    if factor_provider is None or not progress.enabled():
         yield mrf
         return
-    stats = fp.cm.stats
-    start = stats.group_factors
+    start = factor_provider.num_built
     todo = mrf.num_edges - start
     with progress.bar(total=todo, desc="solve: factors (lazy)", unit="factor") as bar:
         def factor(e: int) -> Any:
-            f = fp.factor(e)
+            f = factor_provider.factor(e)
             if not bar.disable:  # disabled once closed
-                bar.update(stats.group_factors - start - bar.n)
+                bar.update(factor_provider.num_built - start - bar.n)
                 if bar.n >= todo:
                     bar.close()
             return f
@@ -273,53 +219,42 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
     return result, presolve
 
 
-def _stage_seconds(dirs: Any) -> dict[str, float]:
-    """Phase seconds recorded by the earlier stages' artifacts."""
-    from pipeline.trace import read_graph
+def _upstream_records(dirs: Any, topology: TopologyTables, costs: Costs
+                      ) -> list[dict[str, Any]]:
+    """The records of the trace, topology and costs stages, each read once: the
+    ``pipeline`` metadata of ``graph.parquet`` (its footer only), ``topology.json``
+    (read with the topology) and ``costs.json`` (read with the costs)."""
+    return [artifacts.table_metadata(GRAPH, dirs.trace), topology.summary, costs.record]
 
-    out: dict[str, float] = {}
-    _, meta = read_graph(dirs.trace)
-    out["trace"] = float(meta.get("seconds", {}).get("trace", 0.0))
-    topo = json.loads((Path(dirs.topology) / TOPOLOGY_FILE).read_text())
-    out["topology"] = float(topo.get("phase_seconds", {}).get("topology", 0.0))
-    costs = json.loads((Path(dirs.costs) / COSTS_FILE).read_text())
+
+def _upstream_seconds(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Phase seconds recorded by the earlier stages (trace, topology, costs)."""
+    trace, topology, costs = records
+    out: dict[str, float] = {"trace": float(trace.get("seconds", {}).get("trace", 0.0)),
+                             "topology": float(topology.get("phase_seconds", {})
+                                               .get("topology", 0.0))}
     for k, v in costs.get("phase_seconds", {}).items():
         out[k] = out.get(k, 0.0) + float(v)
     return out
 
 
-def _stage_rss(dirs: Any) -> list[int]:
-    """Peak RSS recorded by the trace, topology and costs artifacts (bytes): each stage
-    may have run in its own process (Snakemake)."""
-    from pipeline.trace import read_graph
-
-    out = [int(read_graph(dirs.trace)[1].get("peak_rss_bytes", {}).get("max", 0))]
-    for path in (Path(dirs.topology) / TOPOLOGY_FILE, Path(dirs.costs) / COSTS_FILE):
-        out.append(int(json.loads(path.read_text()).get("peak_rss_bytes", {}).get("max", 0)))
-    return out
-
-
 def run_solve(cfg: Any, dirs: Any) -> None:
-    """Stage entry point: solve, then write ``solution.parquet`` and ``run.json``."""
+    """Stage entry point: solve, then write ``solution.parquet``,
+    ``redistributions.parquet`` and ``run.json`` (last)."""
     from omegaconf import OmegaConf
 
     timer = runtime.PhaseTimer()
     out_dir = Path(dirs.solve)
-    lazy = bool(cfg.lazy_costs)
     with timer.phase("cost_build"):
-        tt = read_topology(Path(dirs.topology))
-        if lazy:
-            mrf, fp = build_mrf(tt, cfg.hardware, lazy=True)
-            build_factor_seconds = fp.seconds
-        else:
-            mrf = load_factors(Path(dirs.costs) / FACTORS_FILE)
-            fp = None
-            build_factor_seconds = 0.0
-    budget = _budget(cfg, tt, mrf)
+        topology = read_topology(Path(dirs.topology))
+        costs = load_costs(cfg, topology, Path(dirs.costs))
+    mrf, provider = costs.mrf, costs.factor_provider
+    built_before = provider.factor_seconds if provider is not None else 0.0
     start = time.perf_counter()
-    result, presolve = _solve(cfg, mrf, out_dir, fp)
+    result, presolve = _solve(cfg, mrf, out_dir, provider)
     solve_wall = time.perf_counter() - start
-    lazy_factor = (fp.seconds - build_factor_seconds) if fp is not None else 0.0
+    # lazy costs: the factors built inside the solver are factor_build, not solve
+    lazy_factor = (provider.factor_seconds - built_before) if provider is not None else 0.0
     timer.add("factor_build", lazy_factor)
     timer.add("solve", solve_wall - lazy_factor)
 
@@ -333,61 +268,43 @@ def run_solve(cfg: Any, dirs: Any) -> None:
                 lp_mrf, presolve = _pruned(mrf, result)
             lp_bound = lp_lower_bound(lp_mrf, backend=str(cfg.solver.backend))
 
+    upstream = _upstream_records(dirs, topology, costs)
     with timer.phase("report"):
-        record, table, redist = _record(cfg, dirs, tt, mrf, result, lp_bound, timer, fp,
-                                        budget)
+        record, table, redist = _record(cfg, dirs, topology, costs, result, lp_bound, timer,
+                                        _upstream_seconds(upstream))
         if presolve is not None:  # absent, not null: runs.parquet then has no null column
             record["presolve"] = presolve
     record["phases"]["report"] = timer.seconds["report"]
-    runtime.write_parquet(out_dir / REDISTRIBUTIONS_FILE, redist,
-                          metadata={"run_id": record["run_id"]})
-    runtime.write_parquet(out_dir / SOLUTION_FILE, table,
+    artifacts.write_table(REDISTRIBUTIONS, out_dir, redist, metadata={"run_id": record["run_id"]})
+    artifacts.write_table(SOLUTION, out_dir, table,
                           metadata={"run_id": record["run_id"],
                                     "placement_hash": record["placement_hash"]})
     record["peak_rss_bytes"] = runtime.peak_rss_bytes()
+    # each earlier stage may have run in its own process (Snakemake)
     record["peak_rss_bytes"]["stages_max"] = max(
-        [record["peak_rss_bytes"]["max"]] + _stage_rss(dirs))
+        [record["peak_rss_bytes"]["max"]]
+        + [int(r.get("peak_rss_bytes", {}).get("max", 0)) for r in upstream])
     record["config"] = OmegaConf.to_container(cfg, resolve=True)
-    runtime.write_json(out_dir / RUN_FILE, record)
+    artifacts.write_json(RUN, out_dir, record)
     log.info("solve: %s objective %.3f µs bound %.3f gap %.3g status %s", cfg.solver.name,
              record["objective"], record["lower_bound"], record["gap"], record["status"])
 
 
-def _budget(cfg: Any, tt: TopologyTables, mrf: Any) -> Any:
-    """Attach the parameter-memory row to ``mrf`` (pipeline/constraints.py); fail fast
-    with a PlanError when the pins make it infeasible."""
-    from omegaconf import OmegaConf
-
-    from pipeline.constraints import check_budget_feasible, param_budget
-
-    pm = cfg.constraints.param_memory
-    if pm is None:
-        return None
-    gs_group = np.asarray(tt.nodes["group"], dtype=np.int64)
-    pins = tt.summary.get("pins", {})
-    budget = param_budget(tt, gs_group, np.asarray(mrf.domain_sizes),
-                          OmegaConf.to_container(pm, resolve=True), set(pins))
-    if budget is not None and budget.constraint is not None:
-        check_budget_feasible(budget, mrf.unary, pins)
-        mrf.linear_constraints = [budget.constraint]
-    return budget
-
-
-def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
-            lp_bound: float | None, timer: runtime.PhaseTimer, fp: Any, budget: Any = None
+def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result: Any,
+            lp_bound: float | None, timer: runtime.PhaseTimer, upstream: dict[str, float]
             ) -> tuple[dict[str, Any], pa.Table, pa.Table]:
     from pipeline.config import config_hash
     from pipeline.solvers.result import is_certified, relative_gap
 
-    gs = group_structure(tt)
+    mrf, budget = costs.mrf, costs.budget
+    groups = group_structure(topology)
     labels = np.asarray(result.labels, dtype=np.int64)
-    strategy = labels[gs.group_of]
-    cm = fp.cm if fp is not None else CostModel(tt, cfg.hardware, memoise=True)
-    parts = node_costs(cm, strategy, [str(m) for m in cfg.mesh_names])
-    nodes = tt.nodes
+    strategy = labels[groups.group_of]
+    parts = plan_breakdown(costs.cost_model(), strategy, [str(m) for m in cfg.mesh_names])
+    nodes = topology.nodes
     names = nodes["name"]
-    outs = [tt.slist_outputs[s][k] for s, k in zip(nodes["slist"], strategy.tolist())]
-    ins = [tt.slist_inputs[s][k] for s, k in zip(nodes["slist"], strategy.tolist())]
+    outs = [topology.slist_outputs[s][k] for s, k in zip(nodes["slist"], strategy.tolist())]
+    ins = [topology.slist_inputs[s][k] for s, k in zip(nodes["slist"], strategy.tolist())]
     phash = placement_hash(names, outs, ins)
 
     objective = float(result.objective)
@@ -399,8 +316,7 @@ def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
     if cfg.solver.name == "approx":
         status = "Optimal" if certified else "Heuristic"
     run_id = config_hash({"dir": str(dirs.solve)})
-    seconds = _stage_seconds(dirs)
-    phases = dict(seconds)
+    phases = dict(upstream)
     for k, v in timer.seconds.items():
         phases[k] = phases.get(k, 0.0) + v
     phases["search_total"] = sum(phases.get(k, 0.0) for k in
@@ -408,16 +324,7 @@ def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
     import pipeline
 
     phases["wall"] = time.perf_counter() - pipeline.PROCESS_START
-    stats = fp.cm.stats if fp is not None else None
-    costs_meta = json.loads((Path(dirs.costs) / COSTS_FILE).read_text())
-    factor_counts = (
-        {"unary_vectors": stats.unary_vectors, "edge_tables": stats.edge_tables,
-         "group_factors": stats.group_factors} if stats is not None
-        else costs_meta.get("counts", {}))
-    factor_counts = {k: factor_counts.get(k) for k in
-                     ("unary_vectors", "edge_tables", "group_factors")}
-    factor_counts["total"] = sum(v or 0 for v in factor_counts.values())
-    topo_counts = tt.summary["counts"]
+    topo_counts = topology.summary["counts"]
     record: dict[str, Any] = {
         "run_id": run_id,
         "solve_dir": str(dirs.solve),
@@ -430,9 +337,9 @@ def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
         "backend": str(cfg.solver.backend) if cfg.solver.name != "approx" else None,
         "status": status,
         "objective": objective,
-        "compute_us": float(parts["compute_us"].sum()),
-        "comm_us": float(parts["comm_us"].sum()),
-        "transition_us": float(parts["transition_us"].sum()),
+        "compute_us": float(parts.compute_us.sum()),
+        "comm_us": float(parts.comm_us.sum()),
+        "transition_us": float(parts.transition_us.sum()),
         "lower_bound": bound,
         "lower_bound_source": source,
         "lower_bound_problem": BOUND_PROBLEM,
@@ -440,14 +347,14 @@ def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
         "certified": certified,
         "placement_hash": phash,
         "iterations": int(result.iterations),
-        "collectives": collective_summary(parts["redistributions"]),
+        "collectives": collective_summary(parts.redistributions),
         "counts": {
             "nodes": topo_counts["nodes"], "edges": topo_counts["edges"],
             "groups": mrf.num_groups, "group_edges": mrf.num_edges,
             "strategies": topo_counts["strategies"],
             "group_strategies": int(np.asarray(mrf.domain_sizes).sum()),
             "fallback_nodes": topo_counts.get("fallback_nodes", 0),
-            "factors_materialised": factor_counts},
+            "factors_materialised": costs.factor_counts()},
         "phases": phases,
         "solver_extra": {k: v for k, v in (result.extra or {}).items()
                          if isinstance(v, (int, float, str, bool, type(None)))},
@@ -455,12 +362,12 @@ def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
         "environment": runtime.environment(),
         "git": runtime.git_revision(),
         "revision_label": cfg.get("revision_label"),
-        "fallback_ops": tt.summary.get("fallback_ops", {}),
+        "fallback_ops": topology.summary.get("fallback_ops", {}),
     }
     if lp_bound is not None:
         record["lp_bound"] = float(lp_bound)
     if budget is not None:
-        from pipeline.constraints import used_memory
+        from pipeline.budget import used_memory
 
         used = used_memory(budget, strategy)
         record["param_memory"] = {
@@ -481,8 +388,8 @@ def _record(cfg: Any, dirs: Any, tt: TopologyTables, mrf: Any, result: Any,
         "strategy": pa.array(strategy, pa.int32()),
         "output_placement": outs,
         "input_placements": pa.array(ins, pa.list_(pa.string())),
-        "compute_us": parts["compute_us"],
-        "comm_us": parts["comm_us"],
-        "transition_us": parts["transition_us"],
+        "compute_us": parts.compute_us,
+        "comm_us": parts.comm_us,
+        "transition_us": parts.transition_us,
     })
-    return record, table, redistribution_table(run_id, parts["redistributions"], list(names))
+    return record, table, redistribution_table(run_id, parts.redistributions, list(names))

@@ -47,10 +47,9 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline import runtime
+from pipeline.artifacts import GRAPH_FILE
 
 log = logging.getLogger(__name__)
-
-GRAPH_FILE = "graph.parquet"
 
 #: Module paths of repeated blocks: a ModuleList-like container followed by an index.
 _LAYER_RE = re.compile(r"^(?P<prefix>(?:[A-Za-z_][\w]*\.)*[A-Za-z_][\w]*)\.(?P<idx>\d+)(?:\.|$)")

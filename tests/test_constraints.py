@@ -3,7 +3,8 @@
 Expected values are worked out by hand from the toy model's shapes
 (conf/model/toy.yaml: dim 256, 2 layers, 8 heads, 4 KV heads -> head dim 32,
 KV width 128, SwiGLU hidden 768, vocab 1024) and the budget formula of
-pipeline/constraints.py.
+pipeline/budget.py. The costs stage builds the budget row into the MRF; with eager
+costs it is stored in ``factors.npz`` and an infeasible budget stops the costs stage.
 """
 
 from __future__ import annotations
@@ -165,6 +166,45 @@ def test_no_budget_is_ddp_like(dp8: Path) -> None:
     assert (mm.output_placement == "S(0)").sum() >= 14, mm.output_placement.value_counts()
     assert set(rec["collectives"]) == {"all_reduce(dp)"}
     assert rec["collectives"]["all_reduce(dp)"]["count"] == 21 + 2
+
+
+def test_eager_costs_store_the_budget_row(dp8: Path) -> None:
+    from pipeline.artifacts import load_factors
+
+    proc = _run(dp8, "mesh=8", "lazy_costs=false")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec, sol = _outputs(dp8, "mesh=8", "lazy_costs=false")
+    lazy_rec, lazy_sol = _outputs(dp8, "mesh=8")
+    costs_dir = Path(stage_dirs(load_resolved(["model=toy", f"results_dir={dp8}", "mesh=8",
+                                               "lazy_costs=false"])).costs)
+    (row,) = load_factors(costs_dir / "factors.npz").linear_constraints
+    assert row.name == "param_memory"
+    # high = low bound = 21 parameters at ratio 1/8 (every toy dim divides by 8)
+    assert row.high == pytest.approx(21 / 8, rel=1e-12)
+    assert row.low == pytest.approx(21 / 8, rel=1e-12)
+    # 12 parameter groups: the 9 per-layer parameters of the 2 (tied) layers, the
+    # embedding, the final norm and the output; each group's most sharded label has
+    # ratio 1/8 per member parameter
+    assert len(row.coef) == 12
+    assert sum(float(c.min()) for c in row.coef.values()) == pytest.approx(21 / 8, rel=1e-12)
+    facts = json.loads((costs_dir / "costs.json").read_text())["param_memory"]
+    assert len(facts["params"]) == 21 and sum(facts["bytes"]) == 4 * sum(TOY_PARAMS)
+    # the plan and its budget facts do not depend on the cost mode
+    assert rec["placement_hash"] == lazy_rec["placement_hash"]
+    assert rec["objective"] == lazy_rec["objective"]
+    assert rec["param_memory"] == lazy_rec["param_memory"]
+
+
+def test_infeasible_budget_stops_eager_costs(dp8: Path) -> None:
+    pin = "constraints.nodes=[{match:'output:grad:layers.0.attention.wq.weight',placement:R}]"
+    proc = _run(dp8, "mesh=8", "lazy_costs=false", pin)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "constraints.param_memory.high=0.125 (ratio-sum bound 2.625): infeasible" in (
+        proc.stderr)
+    dirs = stage_dirs(load_resolved(["model=toy", f"results_dir={dp8}", "mesh=8",
+                                     "lazy_costs=false", pin]))
+    assert (Path(dirs.topology) / "topology.json").exists()  # the stages before ran
+    assert not Path(dirs.costs).exists()  # nothing of the costs stage is left
 
 
 def _fqn_of(tmp: Path, name: str) -> str:

@@ -1,7 +1,7 @@
 """End-to-end tests of ``python -m pipeline`` on the toy model.
 
 What is checked, each with values computed here, independently of the solver's own
-bookkeeping (``solution.parquet``'s cost columns, ``CostModel``, ``node_costs``):
+bookkeeping (``solution.parquet``'s cost columns, ``CostModel``, ``plan_breakdown``):
 
 1. lazy and eager costs give the same objective and placement hash at meshes 8, 2x4
    and 2x4x8, and lazy materialises fewer factors;
@@ -14,7 +14,8 @@ bookkeeping (``solution.parquet``'s cost columns, ``CostModel``, ``node_costs``)
    width is not tied to the others;
 5. the placement hash does not depend on ``PYTHONHASHSEED``;
 6. ``report/runs.parquet`` and ``report/placements.parquet`` have one row per run and
-   per (run, node), with the DESIGN.md fields;
+   per (run, node), with the run record's fields (objective and its parts, bound,
+   status, placement hash, counts, phases, peak RSS);
 7. the approx path never imports PuLP (lazy or eager).
 
 Every pipeline run is a subprocess started once per session by the ``jobs`` fixture,
@@ -427,7 +428,8 @@ class Evaluation:
 
 
 def evaluate_plan(plan: list[dict], tt: Any, mesh: tuple[int, ...], hw: Any) -> Evaluation:
-    """E(x) of a plan, from its placements and the topology's shapes only (DESIGN.md).
+    """E(x) of a plan (the objective of pipeline/costs.py), from its placements and the
+    topology's shapes only.
 
     Compute: roofline on the local shapes (inputs read + outputs written), 0 for
     placeholders, getitem, sinks and views. Edges: redistribution of the producer's
@@ -520,6 +522,16 @@ def check_lazy_and_eager_agree(jobs: Jobs, mesh: str) -> None:
         assert math.isfinite(rec["objective"])
         assert rec["lower_bound"] <= rec["objective"] * (1 + REL) + 1e-9
         assert rec["status"] in ("Optimal", "Heuristic")
+    # factor_build is the building of the pairwise group factors in both modes: eager,
+    # every one of them in the costs stage (the solve stage builds none); lazy, the
+    # ones the solver asked for
+    costs = json.loads((eager.dirs.costs / "costs.json").read_text())
+    assert costs["counts"]["group_factors"] == er["counts"]["group_edges"]
+    assert costs["phase_seconds"]["factor_build"] > 0
+    assert er["phases"]["factor_build"] == costs["phase_seconds"]["factor_build"]
+    assert er["phases"]["cost_build"] > costs["phase_seconds"]["cost_build"] > 0
+    assert 0 < lr["counts"]["factors_materialised"]["group_factors"] <= lr["counts"]["group_edges"]
+    assert lr["phases"]["factor_build"] > 0
 
 
 # --------------------------------------------------------------------------- 2. evaluator

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from test_config import BAD_CASES
 
+from pipeline.artifacts import stage_outputs
 from pipeline.cli import SENTINELS
 from pipeline.config import STAGES, load_resolved, overrides_from_snakemake, stage_dirs
 
@@ -55,15 +56,15 @@ def planned_jobs(workdir: Path, *config: str) -> dict[str, int]:
 
 
 def touch_outputs(workdir: Path, config: dict) -> None:
-    """Create the sentinel artifacts of every stage of ``config``, oldest first."""
+    """Create the artifacts every stage of ``config`` declares, oldest first."""
     cwd = os.getcwd()
     os.chdir(workdir)
     try:
-        dirs = stage_dirs(load_resolved(overrides_from_snakemake(config)))
+        cfg = load_resolved(overrides_from_snakemake(config))
+        dirs = stage_dirs(cfg)
     finally:
         os.chdir(cwd)
-    paths = [dirs.of(s) / SENTINELS[s] for s in STAGES] + [
-        dirs.report / "placements.parquet", dirs.report / "redistributions.parquet"]
+    paths = [a.path(dirs.of(s)) for s in STAGES for a in stage_outputs(s, cfg.lazy_costs)]
     for i, rel in enumerate(paths):
         path = workdir / rel
         path.parent.mkdir(parents=True, exist_ok=True)

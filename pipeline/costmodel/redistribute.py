@@ -1,7 +1,7 @@
 """Cost of redistributing a tensor between two DTensor placements on a mesh, in µs.
 
-Legality (DESIGN.md, "legal and illegal redistributions", as DTensor enforces it in
-``redistribute_local_tensor``):
+Legality, as DTensor enforces it in ``redistribute_local_tensor`` (an illegal pair is
+a forbidden pair of the MRF, ``+inf``, never a finite guess):
 
 * ``Replicate -> Partial`` is a local op and free;
 * ``Shard -> Partial`` and ``Partial(op1) -> Partial(op2)`` (op1 != op2, including a

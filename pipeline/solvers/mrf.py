@@ -3,7 +3,7 @@
 The solvers never see torch.fx or DTensor objects (the Alpa design): the
 topology and cost stages flatten the sharding problem into this structure.
 
-Problem (DESIGN.md, "Words")::
+Problem (groups are the nodes decided jointly, labels their joint strategies)::
 
     minimise  E(x) = constant + sum_g U_g(x_g) + sum_e B_e(x_u(e), x_v(e))
     over      x_g in {0, ..., K_g - 1} for every group g

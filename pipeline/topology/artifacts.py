@@ -27,13 +27,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline import runtime
+from pipeline.artifacts import EDGES_FILE, NODES_FILE, STRATEGIES_FILE, TOPOLOGY_FILE
 from pipeline.placements import format_placements, format_strategy_output
 from pipeline.topology.problem import Topology
-
-TOPOLOGY_FILE = "topology.json"
-NODES_FILE = "nodes.parquet"
-STRATEGIES_FILE = "strategies.parquet"
-EDGES_FILE = "edges.parquet"
 
 
 def write_topology(topo: Topology, out_dir: Path, meta: dict[str, Any]) -> None:

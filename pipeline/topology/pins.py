@@ -3,7 +3,7 @@
 Keys of ``constraints`` read here (docs/config.md):
 
 * ``inputs``: placement of the plain model inputs (the token batch); default
-  Shard(0) on the first mesh dim and Replicate on the others (DESIGN.md);
+  Shard(0) on the first mesh dim and Replicate on the others;
 * ``outputs``: placement of the model output before the loss (the logits);
 * ``nodes``: a list of ``{match, placement}``; ``match`` is a node name, a
   parameter FQN (glob) or an op name (``aten.mm``). Partial is refused for
@@ -26,7 +26,7 @@ from pipeline.topology.ir import IRNode, graph_outputs
 from pipeline.topology.problem import ProblemNode, StrategyTable, TopologyError, problem_id_of
 from pipeline.topology.strategies import StrategyList
 
-#: Roles that never take a Partial placement (DESIGN.md "Words").
+#: Roles that never take a Partial placement (a user-visible tensor is never a pending sum).
 _NO_PARTIAL_ROLES = frozenset({"param", "buffer", "input", "tangent", "grad"})
 
 

@@ -9,10 +9,10 @@ Besides the ops (pipeline/topology/strategies.py):
   non-Partial placement;
 * ``getitem`` selects one element of its producer's tuple strategies;
 * the graph output becomes one *sink* per element: the loss, whose sink accepts
-  only Replicate (DESIGN.md), and each gradient, whose sink has its parameter's
-  placements. The op producing the loss may output Partial (a batch-sharded
-  mean) and the edge into the sink then pays the all-reduce, as gradient sinks
-  pay their reduce-scatter.
+  only Replicate (the 0-d loss is the same on every rank), and each gradient,
+  whose sink has its parameter's placements. The op producing the loss may output
+  Partial (a batch-sharded mean) and the edge into the sink then pays the
+  all-reduce, as gradient sinks pay their reduce-scatter.
 
 An edge ``(producer, element, consumer, arg)`` is one use of a tensor argument.
 """

@@ -1,6 +1,6 @@
 """DTensor sharding strategies of the graph's nodes on an N-D mesh.
 
-A strategy (DESIGN.md "Words"; DTensor's ``OpSpec``) is an output placement plus the
+A strategy (DTensor's ``OpSpec``) is an output placement plus the
 expected placement of each tensor argument:
 
 * ops with a *single-dim* strategy function (``op_single_dim_strategy_funcs``)

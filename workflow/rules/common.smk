@@ -15,7 +15,7 @@ PROJECT_ROOT = Path(workflow.basedir).parent
 if str(PROJECT_ROOT) not in sys.path:
     sys.path.insert(0, str(PROJECT_ROOT))
 
-from pipeline.cli import SENTINELS
+from pipeline.artifacts import SENTINELS, stage_outputs as _stage_artifacts
 from pipeline.config import (
     ConfigError,
     load_resolved,
@@ -44,14 +44,20 @@ shell.prefix(
 
 
 def stage_output(stage):
-    """The sentinel artifact of a stage for the composed config."""
+    """The sentinel artifact of a stage for the composed config (pipeline/artifacts.py)."""
     return str(PLAN_DIRS.of(stage) / SENTINELS[stage])
+
+
+def stage_outputs(stage):
+    """Every artifact a stage writes for the composed config, sentinel last (with eager
+    costs the costs stage also writes factors.npz)."""
+    return [str(a.path(PLAN_DIRS.of(stage)))
+            for a in _stage_artifacts(stage, bool(PLAN_CFG.lazy_costs))]
 
 
 def report_outputs():
     """The tables of the report stage."""
-    return [str(PLAN_DIRS.report / name) for name in
-            ("runs.parquet", "placements.parquet", "redistributions.parquet")]
+    return stage_outputs("report")
 
 
 def stage_params(stage):

@@ -1,8 +1,8 @@
 rule costs:
     input:
-        stage_output("topology"),
+        stage_outputs("topology"),
     output:
-        stage_output("costs"),
+        stage_outputs("costs"),
     params:
         overrides=stage_params("costs"),
         code=stage_code("costs"),

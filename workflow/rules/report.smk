@@ -1,6 +1,6 @@
 rule report:
     input:
-        stage_output("solve"),
+        stage_outputs("solve"),
     output:
         report_outputs(),
     params:

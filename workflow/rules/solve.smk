@@ -1,8 +1,8 @@
 rule solve:
     input:
-        stage_output("costs"),
+        stage_outputs("costs"),
     output:
-        stage_output("solve"),
+        stage_outputs("solve"),
     params:
         overrides=stage_params("solve"),
         code=stage_code("solve"),

@@ -1,8 +1,8 @@
 rule topology:
     input:
-        stage_output("trace"),
+        stage_outputs("trace"),
     output:
-        stage_output("topology"),
+        stage_outputs("topology"),
     params:
         overrides=stage_params("topology"),
         code=stage_code("topology"),

@@ -1,6 +1,6 @@
 rule trace:
     output:
-        stage_output("trace"),
+        stage_outputs("trace"),
     params:
         overrides=stage_params("trace"),
         code=stage_code("trace"),

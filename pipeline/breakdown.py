@@ -1,0 +1,107 @@
+"""Costs stage, the explanation of a plan: its objective per node and per edge.
+
+For a strategy ``x`` (one index per node) the objective of pipeline/costs.py splits as
+
+    E(x) = sum_v compute_v + sum_v comm_v + sum_v transition_v
+
+* ``compute_v = U_v(x_v)``, the node's unary;
+* ``comm_v``: over the incoming edges e = (u, v, a) of v, the redistribution cost of
+  u's output placement under ``x_u`` into v's expected placement for argument a under
+  ``x_v`` (``inf`` for a pair DTensor forbids);
+* ``transition_v``: the transition cost 1.0 per incoming edge whose two placements
+  differ.
+
+Each edge is costed for its chosen pair with the scalar
+:func:`~pipeline.costmodel.redistribute.redistribute_steps` (bit-identical to the table
+entries the solver used), once per (edge class, source class, destination class)
+(:meth:`~pipeline.costs.CostModel.edge_classes`: the copies of a repeated layer share
+one costing). The same steps give the plan's collectives: every edge whose placements
+differ is a row of ``redistributions.parquet`` (written by pipeline/solve.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class PlanBreakdown:
+    """The parts of a plan's objective (µs) and its redistributions.
+
+    Attributes:
+        compute_us, comm_us, transition_us: float64 ``[num_nodes]``, see the module
+            docstring; their sums add up to the objective.
+        redistributions: one dict per graph edge whose producer and consumer
+            placements differ, in graph-edge order: ``producer``, ``element``,
+            ``consumer``, ``arg``, ``shape``, ``dtype``, ``src_placement``,
+            ``dst_placement``, ``collectives`` (``kind(mesh dim name)``), ``bytes``
+            (sent per device, summed over steps), ``comm_us`` and ``collective_steps``
+            (the redistribute steps that are collectives, for summaries).
+    """
+
+    compute_us: np.ndarray
+    comm_us: np.ndarray
+    transition_us: np.ndarray
+    redistributions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def plan_breakdown(cost_model: Any, strategy: np.ndarray,
+                   mesh_names: list[str] | None = None) -> PlanBreakdown:
+    """Break the objective of ``strategy`` (int ``[num_nodes]``) down by node and list
+    its redistributions (see the module docstring).
+
+    ``cost_model``: the :class:`~pipeline.costs.CostModel` of the run (lazy: the one
+    behind the solver's factors; eager: a memoising one over the same topology).
+    ``mesh_names`` name the mesh dims in ``collectives`` (default ``0``, ``1``, ...).
+    """
+    from pipeline.costmodel.redistribute import KINDS, redistribute_steps
+    from pipeline.costs import TRANSITION_COST, itemsize
+    from pipeline.placements import format_placements
+
+    collectives = KINDS[:4]  # all_gather, reduce_scatter, all_reduce, all_to_all
+    names = mesh_names or [str(i) for i in range(len(cost_model.mesh_shape))]
+    n = cost_model.num_nodes
+    strat = strategy.tolist()
+    compute = np.array([cost_model.unary(v)[strat[v]] for v in range(n)])
+    comm = np.zeros(n)
+    trans = np.zeros(n)
+    rows: list[dict[str, Any]] = []
+    classes = cost_model.edge_classes().tolist()
+    # (edge class, src class, dst class) -> (µs, differ, row fields of a redistribution)
+    memo: dict[tuple[int, int, int], tuple[float, bool, dict[str, Any] | None]] = {}
+    for (u, element, v, a), ec in zip(cost_model.edges, classes):
+        r, srcs = cost_model.out_classes(u, element)
+        c, dsts = cost_model.in_classes(v, a)
+        i, j = int(r[strat[u]]), int(c[strat[v]])
+        hit = memo.get((ec, i, j))
+        if hit is None:
+            src, dst = srcs[i], dsts[j]
+            meta = cost_model.in_metas[v][a]
+            steps = redistribute_steps(meta["shape"], itemsize(meta["dtype"]), src, dst,
+                                       cost_model.mesh_shape, cost_model.hw)
+            us = math.inf if steps is None else 0.0
+            for st in steps or ():
+                us += st.us
+            fields = None
+            if src != dst:
+                coll = [st for st in steps or () if st.kind in collectives]
+                fields = {
+                    "shape": [int(x) for x in meta["shape"]], "dtype": str(meta["dtype"]),
+                    "src_placement": format_placements(src),
+                    "dst_placement": format_placements(dst),
+                    "collectives": [f"{st.kind}({names[st.mesh_dim]})" for st in coll],
+                    "collective_steps": coll,
+                    "bytes": 0 if steps is None else int(sum(st.bytes for st in steps)),
+                    "comm_us": us}
+            hit = memo[(ec, i, j)] = (us, src != dst, fields)
+        us, differ, fields = hit
+        comm[v] += us
+        if differ:
+            trans[v] += TRANSITION_COST
+            rows.append({"producer": int(u), "element": int(element), "consumer": int(v),
+                         "arg": int(a), **fields})
+    return PlanBreakdown(compute, comm, trans, rows)
