@@ -27,6 +27,7 @@ from pipeline.config import (
     load_config,
     load_resolved,
     normalise_overrides,
+    override_value,
     overrides_from_snakemake,
     parse_mesh,
     resolve,
@@ -374,12 +375,65 @@ def test_overrides_from_snakemake_refuses_unknown_keys():
         overrides_from_snakemake({"meshes": 8})
 
 
+@pytest.mark.parametrize("value, auto, path, always, never", [
+    ("toy", "toy", "toy", "'toy'", "toy"),
+    ("2x4", "'2x4'", "2x4", "'2x4'", "2x4"),
+    ("/tmp/a b", "'/tmp/a b'", "'/tmp/a b'", "'/tmp/a b'", "/tmp/a b"),
+    ("results/x-1.0+y", "'results/x-1.0+y'", "results/x-1.0+y", "'results/x-1.0+y'",
+     "results/x-1.0+y"),
+    ("it's", "'it\\'s'", "'it\\'s'", "'it\\'s'", "it's"),
+    # Hydra reads a backslash literally unless backslashes precede a quote or the end
+    ("a\\b", "'a\\b'", "'a\\b'", "'a\\b'", "a\\b"),
+    ("a\\", "'a\\\\'", "'a\\\\'", "'a\\\\'", "a\\"),
+    ("a\\'b", "'a\\\\\\'b'", "'a\\\\\\'b'", "'a\\\\\\'b'", "a\\'b"),
+    ("S(0)RR", "'S(0)RR'", "'S(0)RR'", "'S(0)RR'", "S(0)RR"),
+    ("null", "'null'", "'null'", "'null'", "null"),
+    ("True", "'True'", "'True'", "'True'", "True"),
+    (None, "null", "null", "null", "null"),
+    (False, "false", "false", "false", "false"),
+    (8, "8", "8", "8", "8"),
+    (1e-05, "1e-05", "1e-05", "1e-05", "1e-05"),
+    ([2, "a b"], "[2,'a b']", "[2,'a b']", "[2,'a b']", "[2,a b]"),
+    ({0: 4096, "k": "x/y"}, "{0:4096,k:'x/y'}", "{0:4096,k:x/y}", "{0:4096,k:'x/y'}",
+     "{0:4096,k:x/y}"),
+])
+def test_override_value_quotes_each_way(value, auto, path, always, never):
+    """The one override renderer in its four modes (worked out by hand)."""
+    assert override_value(value) == auto
+    assert override_value(value, quote="path") == path
+    assert override_value(value, quote="always") == always
+    assert override_value(value, quote="never") == never
+    assert override_value(OmegaConf.create({"v": value}).v if isinstance(value, (list, dict))
+                          else value, quote="never") == never
+
+
+@pytest.mark.parametrize("text", ["toy", "2x4", "2,4,8", "/tmp/a b", "it's", "a\\b",
+                                  "a\\", "a\\'b", "a\\\\'", "S(0)RR", "(S(0)R|-)", "null",
+                                  "TRUE", "inf", "1e10",
+                                  "a=b", "", " x ", "${oops}"])
+@pytest.mark.parametrize("quote", ["auto", "always"])
+def test_override_value_is_read_back_by_hydra_as_the_same_string(text, quote):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_override(f"k={override_value(text, quote)}")
+    assert parsed.value() == text
+
+
+def test_override_value_refuses_what_it_cannot_render():
+    with pytest.raises(ValueError, match=r"^quote=sometimes: allowed auto, path, always, never$"):
+        override_value("x", quote="sometimes")
+    with pytest.raises(TypeError):
+        override_value({1, 2})
+    assert override_value({1}, quote="never") == "{1}"
+
+
 @pytest.mark.parametrize("overrides", [
     [], ["model=toy", "solver=ilp", "mesh=8"], ["model=llama70b", "solver=lp"],
     ["model.ffn_hidden_overrides={0:4096}", "constraints.inputs=S(0)R",
      "constraints.nodes=[{match:'it\\'s',placement:'(S(0)R|-)'}]", "mesh=2x4",
      "mesh_names=[a,b]", "results_dir=/tmp/a b", "constraints.param_memory=null",
      "hardware.intra_node.all_reduce_bw=1e11", "solver.time_limit_s=60"],
+    ["results_dir='/tmp/a\\b\\\\'", "constraints.nodes=[{match:'layers\\.0',placement:RRR}]"],
 ])
 def test_stage_overrides_rebuild_each_stage_key(overrides):
     cfg = load_resolved(overrides)

@@ -36,7 +36,12 @@ that stage depends on, cumulatively, see :data:`STAGE_KEYS`)::
 """
 
 from pipeline.config.compose import load_config, load_resolved
-from pipeline.config.overrides import normalise_overrides, sweep_overrides
+from pipeline.config.overrides import (
+    QUOTE_MODES,
+    normalise_overrides,
+    override_value,
+    sweep_overrides,
+)
 from pipeline.config.paths import (
     STAGE_KEYS,
     STAGE_SOURCES,
@@ -71,6 +76,7 @@ __all__ = [
     "DEFAULT_MESH_NAMES",
     "GROUPS",
     "MIP_BACKENDS",
+    "QUOTE_MODES",
     "SNAKEMAKE_KEYS",
     "SOLVER_NAMES",
     "STAGES",
@@ -91,6 +97,7 @@ __all__ = [
     "load_resolved",
     "mesh_label",
     "normalise_overrides",
+    "override_value",
     "overrides_from_snakemake",
     "parse_mesh",
     "register_configs",

@@ -23,46 +23,62 @@ from pipeline.config.schema import (
 
 # --------------------------------------------------------------------------- rendering
 
+#: How :func:`override_value` writes a string, see there.
+QUOTE_MODES: tuple[str, ...] = ("auto", "path", "always", "never")
 
-def _fmt(value: Any) -> str:
-    """Render a value the way a user writes it in an override (``[2,4]``, ``null``)."""
+_IDENTIFIER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PATH_RE = re.compile(r"[A-Za-z0-9_./+-]+")
+_HYDRA_WORDS = frozenset({"true", "false", "null", "inf", "nan"})
+#: A run of backslashes before a quote or the end: the only place Hydra reads ``\\``
+#: as an escape in a quoted value (elsewhere a backslash is literal).
+_ESCAPE_RE = re.compile(r"(\\*)('|$)")
+
+
+def override_value(value: Any, quote: str = "auto") -> str:
+    """Render a value as Hydra override text, the ``<value>`` of ``key=<value>``.
+
+    ``None`` is ``null``, a bool ``true``/``false``, a number as Python writes it, a list
+    ``[a,b]`` and a mapping ``{k:v}`` (OmegaConf containers as their plain data), their
+    items rendered the same way. A string is written according to ``quote``:
+
+    * ``"auto"``: bare when Hydra reads it back as the same string (an identifier that
+      is not one of true, false, null, inf, nan in any case), else single-quoted
+      (``'2x4'``, ``'/tmp/a b'``, ``'S(0)RR'``): a quote is escaped as ``\\'`` and the
+      backslashes before a quote or the end are doubled, as Hydra's grammar reads them;
+    * ``"path"``: bare when it consists of letters, digits and ``_ . / + -`` and is not
+      one of those words (``results_dir=/tmp/results``), else quoted as above;
+    * ``"always"``: quoted as above;
+    * ``"never"``: as it is, the way a one-line message shows a value
+      (``mesh=2,0,8: allowed ...``); a value of any other type is written with ``str``.
+
+    Raises:
+        ValueError: ``quote`` is not one of :data:`QUOTE_MODES`.
+        TypeError: a value of another type (a set, an object) unless ``quote="never"``.
+    """
+    if quote not in QUOTE_MODES:
+        raise ValueError(f"quote={quote}: allowed {', '.join(QUOTE_MODES)}")
     if isinstance(value, (ListConfig, DictConfig)):
         value = OmegaConf.to_container(value, resolve=False)
     if value is None:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_fmt(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_fmt(v)}" for k, v in value.items()) + "}"
-    return str(value)
-
-
-_BARE_STR_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_HYDRA_WORDS = frozenset({"true", "false", "null", "inf", "nan"})
-
-
-def _hydra_value(value: Any) -> str:
-    """Render plain data in Hydra's override grammar; a string is single-quoted unless it
-    is a plain identifier Hydra reads back as the same string."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
+    if isinstance(value, (int, float)):
         return str(value)
-    if isinstance(value, float):
-        return repr(value)
     if isinstance(value, str):
-        if _BARE_STR_RE.match(value) and value.lower() not in _HYDRA_WORDS:
+        bare = {"auto": _IDENTIFIER_RE, "path": _PATH_RE}.get(quote)
+        if quote == "never" or (bare is not None and bare.fullmatch(value)
+                                and value.lower() not in _HYDRA_WORDS):
             return value
-        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        return "'" + _ESCAPE_RE.sub(lambda m: 2 * m[1] + ("\\'" if m[2] else ""), value) + "'"
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_hydra_value(v) for v in value) + "]"
+        return "[" + ",".join(override_value(v, quote) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_hydra_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{k}:{override_value(v, quote)}" for k, v in value.items()) + "}"
+    if quote == "never":
+        return str(value)
     raise TypeError(f"cannot render {type(value).__name__} as a Hydra override")
+
 
 # ------------------------------------------------------------------ normalising and checking
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from pipeline.config.overrides import _fmt, _hydra_value
+from pipeline.config.overrides import override_value
 from pipeline.config.paths import stage_keys
 from pipeline.config.schema import ConfigError
 
@@ -39,7 +39,7 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
     out = []
     for key in sorted(keys):
         for k, v in _leaves(key, keys[key]):
-            out.append(f"{k}={_hydra_value(v)}")
+            out.append(f"{k}={override_value(v)}")
     return out
 
 
@@ -81,7 +81,8 @@ def overrides_from_snakemake(config: Mapping[str, Any],
     out: list[str] = []
     for key in config:
         if key not in SNAKEMAKE_KEYS:
-            raise ConfigError(f"{key}={_fmt(config[key])}: unknown --config key; allowed "
+            shown = override_value(config[key], quote="never")
+            raise ConfigError(f"{key}={shown}: unknown --config key; allowed "
                               + ", ".join(SNAKEMAKE_KEYS))
     for key in SNAKEMAKE_KEYS:
         if key not in config:
@@ -99,17 +100,17 @@ def overrides_from_snakemake(config: Mapping[str, Any],
                                       "Hydra overrides, each quoted as a whole if needed)"
                                       ) from None
         elif key in ("model", "solver", "hardware", "experiment"):
-            out.append(f"{key}={_fmt(value)}")
+            out.append(f"{key}={override_value(value, quote='never')}")
         elif key == "mesh":
             if isinstance(value, (list, tuple)):
                 value = "x".join(str(v) for v in value)
-            out.append(f"mesh={_hydra_value(str(value))}")
+            out.append(f"mesh={override_value(str(value))}")
         elif key == "mesh_names":
             if isinstance(value, str):
                 value = [v.strip() for v in value.strip("[]").split(",")]
-            out.append(f"mesh_names={_hydra_value(value)}")
+            out.append(f"mesh_names={override_value(value)}")
         elif isinstance(value, str) and key in ("results_dir", "revision_label"):
-            out.append(f"{key}={_hydra_value(value)}")
+            out.append(f"{key}={override_value(value)}")
         else:
-            out.append(f"{key}={_fmt(value)}")
+            out.append(f"{key}={override_value(value, quote='never')}")
     return out

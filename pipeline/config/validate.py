@@ -15,7 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from pipeline.config.overrides import _fmt
+from pipeline.config.overrides import override_value
 from pipeline.config.schema import (
     DEFAULT_MESH_NAMES,
     MIP_BACKENDS,
@@ -30,6 +30,12 @@ from pipeline.models.llama import validate_model_config
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+
+def _shown(value: Any) -> str:
+    """A value as a one-line message shows it (:func:`override_value`, ``quote="never"``)."""
+    return override_value(value, quote="never")
+
+
 _MESH_ALLOWED = "allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"
 
 
@@ -40,7 +46,7 @@ def parse_mesh(value: Any) -> list[int]:
         ConfigError: ``mesh=<value>: allowed positive integers ...`` for anything else
             (a zero or negative size, a non-integer, an empty mesh).
     """
-    bad = ConfigError(f"mesh={_fmt(value)}: {_MESH_ALLOWED}")
+    bad = ConfigError(f"mesh={_shown(value)}: {_MESH_ALLOWED}")
     if isinstance(value, ListConfig):
         value = list(value)
     if isinstance(value, bool):
@@ -90,7 +96,7 @@ def default_mesh_names(rank: int) -> list[str]:
 
 
 def _check_mesh_names(names: Any, mesh: list[int]) -> list[str]:
-    shown = f"mesh_names={_fmt(names)}"
+    shown = f"mesh_names={_shown(names)}"
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",")]
     if not isinstance(names, (list, tuple, ListConfig)):
@@ -119,7 +125,7 @@ def _is_num(v: Any) -> bool:
 def _check_solver(s: Any) -> None:
     def need(ok: bool, key: str, allowed: str) -> None:
         if not ok:
-            raise ConfigError(f"solver.{key}={_fmt(s[key])}: {allowed}")
+            raise ConfigError(f"solver.{key}={_shown(s[key])}: {allowed}")
 
     need(s.name in SOLVER_NAMES, "name", "allowed " + ", ".join(SOLVER_NAMES))
     need(_is_int(s.max_iters) and s.max_iters >= 1, "max_iters", "allowed an integer >= 1")
@@ -137,7 +143,7 @@ def _check_placement(key: str, text: Any, rank: int, tuple_ok: bool) -> None:
     """Parse a placement in compact notation; refuse Partial (never legal for pins)."""
     from pipeline.placements import parse_output, parse_placements
 
-    shown = f"{key}={_fmt(text)}"
+    shown = f"{key}={_shown(text)}"
     try:
         groups = parse_output(text, rank) if tuple_ok else [parse_placements(text, rank)]
     except ValueError as err:
@@ -155,19 +161,19 @@ def _check_constraints(c: Any, mesh: list[int]) -> None:
             _check_placement(f"constraints.{key}", c[key], rank, tuple_ok=key == "outputs")
     for i, node in enumerate(c.nodes):
         if not isinstance(node.match, str) or not node.match.strip():
-            raise ConfigError(f"constraints.nodes.{i}.match={_fmt(node.match)}: allowed a "
+            raise ConfigError(f"constraints.nodes.{i}.match={_shown(node.match)}: allowed a "
                               "non-empty pattern of node names")
         _check_placement(f"constraints.nodes.{i}.placement", node.placement, rank,
                          tuple_ok=True)
     pm = c.param_memory
     if pm is not None:
         if not (_is_num(pm.low) and 0 <= pm.low <= 1):
-            raise ConfigError(f"constraints.param_memory.low={_fmt(pm.low)}: allowed a "
+            raise ConfigError(f"constraints.param_memory.low={_shown(pm.low)}: allowed a "
                               "fraction in [0, 1]")
         if pm.high is not None and not (_is_num(pm.high) and 0 < pm.high <= 1
                                         and pm.high >= pm.low):
-            raise ConfigError(f"constraints.param_memory.high={_fmt(pm.high)}: allowed a "
-                              f"fraction in (0, 1] and >= low={_fmt(pm.low)}, or null "
+            raise ConfigError(f"constraints.param_memory.high={_shown(pm.high)}: allowed a "
+                              f"fraction in (0, 1] and >= low={_shown(pm.low)}, or null "
                               "(1/mesh size)")
 
 
@@ -206,14 +212,14 @@ def resolve(cfg: DictConfig) -> DictConfig:
              else _check_mesh_names(out.mesh_names, mesh))
     name_ok = isinstance(out.model.name, str) and _NAME_RE.match(out.model.name)
     if not name_ok:
-        raise ConfigError(f"model.name={_fmt(out.model.name)}: allowed letters, digits, "
+        raise ConfigError(f"model.name={_shown(out.model.name)}: allowed letters, digits, "
                           "'.', '_', '-' (used in result paths)")
     try:
         validate_model_config(out.model)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if not (isinstance(out.hardware.name, str) and _NAME_RE.match(out.hardware.name)):
-        raise ConfigError(f"hardware.name={_fmt(out.hardware.name)}: allowed letters, "
+        raise ConfigError(f"hardware.name={_shown(out.hardware.name)}: allowed letters, "
                           "digits, '.', '_', '-' (used in result paths)")
     try:
         validate_hardware(out.hardware)
@@ -228,7 +234,7 @@ def resolve(cfg: DictConfig) -> DictConfig:
                           f"(got solver={out.solver.name})")
     _check_constraints(out.constraints, mesh)
     if not isinstance(out.results_dir, str) or not out.results_dir.strip():
-        raise ConfigError(f"results_dir={_fmt(out.results_dir)}: allowed a non-empty path")
+        raise ConfigError(f"results_dir={_shown(out.results_dir)}: allowed a non-empty path")
     out.mesh = mesh
     out.mesh_names = names
     out.lazy_costs = bool(lazy)
