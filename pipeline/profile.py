@@ -160,7 +160,7 @@ def expanded_config(cfg: Any) -> dict[str, Any]:
         "solver": plain(cfg.solver),
         "lazy_costs": bool(cfg.lazy_costs),
         "constraints": plain(cfg.constraints),
-        "repeated_subgraphs": bool(cfg.repeated_subgraphs),
+        "repeated_layers": bool(cfg.repeated_layers),
     }
 
 

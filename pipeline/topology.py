@@ -1122,7 +1122,7 @@ def run_topology(cfg: Any, trace_dir: Path, out_dir: Path) -> None:
         constraints = OmegaConf.to_container(cfg.constraints, resolve=True) or {}
         mesh = device_mesh(mesh_shape, mesh_names)
         topo = build_topology(nodes, mesh, mesh_shape, mesh_names, constraints,
-                              bool(cfg.repeated_subgraphs))
+                              bool(cfg.repeated_layers))
     write_topology(topo, Path(out_dir), {
         "stage": "topology", "phase_seconds": timer.seconds,
         "peak_rss_bytes": runtime.peak_rss_bytes(), "git": runtime.git_revision()})

@@ -94,7 +94,7 @@ def test_solver_presets():
 def test_defaults_and_config_yaml_agree_with_the_schema():
     cfg = load_config([])
     schema = OmegaConf.structured(Config)
-    for key in ("mesh", "mesh_names", "lazy_costs", "repeated_subgraphs", "optimality_check",
+    for key in ("mesh", "mesh_names", "lazy_costs", "repeated_layers", "optimality_check",
                 "results_dir", "experiment", "revision_label", "constraints"):
         assert cfg[key] == schema[key], key
     assert (cfg.model.name, cfg.hardware.name, cfg.solver.name) == ("llama1b", "h100", "approx")
@@ -197,10 +197,10 @@ BAD_CASES = [
      "solver.max_iters=0: allowed an integer >= 1"),
     ("unknown-key", ["foo=1"], ["overrides=foo=1"],
      "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
-     "constraints, mesh, mesh_names, lazy_costs, repeated_subgraphs, optimality_check, "
+     "constraints, mesh, mesh_names, lazy_costs, repeated_layers, optimality_check, "
      "results_dir, experiment, revision_label, paper"),
-    ("bool-2", ["repeated_subgraphs=2"], ["repeated_subgraphs=2"],
-     "repeated_subgraphs=2: allowed true, false"),
+    ("bool-2", ["repeated_layers=2"], ["repeated_layers=2"],
+     "repeated_layers=2: allowed true, false"),
 ]
 
 

@@ -29,7 +29,7 @@ that stage depends on, cumulatively, see :data:`STAGE_KEYS`)::
 
     <results_dir>/runs/<model.name>-<h8>/            trace:    model.*
       <mesh, e.g. 2x4x8>-<h8>/                       topology: + mesh, mesh_names,
-                                                               constraints.*, repeated_subgraphs
+                                                               constraints.*, repeated_layers
         <hardware.name>-<h8>/<lazy|eager>/           costs:    + hardware.*, lazy_costs
           <solver.name>-<h8>/                        solve:    + solver.*, optimality_check
     <results_dir>/report/                            report:   all runs

@@ -44,10 +44,10 @@ def config_hash(obj: Any) -> str:
 #: Top-level keys each stage depends on, cumulatively (DESIGN.md, "Stages and artifacts").
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "trace": ("model",),
-    "topology": ("model", "mesh", "mesh_names", "constraints", "repeated_subgraphs"),
-    "costs": ("model", "mesh", "mesh_names", "constraints", "repeated_subgraphs", "hardware",
+    "topology": ("model", "mesh", "mesh_names", "constraints", "repeated_layers"),
+    "costs": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "hardware",
               "lazy_costs"),
-    "solve": ("model", "mesh", "mesh_names", "constraints", "repeated_subgraphs", "hardware",
+    "solve": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "hardware",
               "lazy_costs", "solver", "optimality_check"),
     "report": ("results_dir",),
 }

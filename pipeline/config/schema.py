@@ -143,7 +143,7 @@ class Config:
             to a list of ints.
         mesh_names: one name per mesh dim (``None``: dp / dp,tp / dp,cp,tp by rank).
         lazy_costs: lazy cost factors (``None``: true for approx, false for ilp/lp).
-        repeated_subgraphs: tie the copies of a repeated layer to one decision.
+        repeated_layers: tie the copies of a repeated layer to one decision.
         optimality_check: also compute a certificate of optimality where possible.
         results_dir: root of all results, relative to the working directory.
         experiment: name of the selected ``conf/experiment`` option (set by it).
@@ -158,7 +158,7 @@ class Config:
     mesh: Any = "2,4,8"
     mesh_names: list[str] | None = None
     lazy_costs: bool | None = None
-    repeated_subgraphs: bool = True
+    repeated_layers: bool = True
     optimality_check: bool = False
     results_dir: str = "results"
     experiment: str | None = None

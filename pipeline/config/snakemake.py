@@ -45,7 +45,7 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
 
 #: Snakemake ``--config`` keys and how each maps to Hydra.
 SNAKEMAKE_KEYS: tuple[str, ...] = ("model", "mesh", "mesh_names", "solver", "lazy_costs",
-                                   "hardware", "experiment", "repeated_subgraphs",
+                                   "hardware", "experiment", "repeated_layers",
                                    "optimality_check", "results_dir", "revision_label",
                                    "overrides")
 

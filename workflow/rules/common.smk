@@ -3,7 +3,7 @@
 # pipeline.config; the rules stay thin).
 #
 # --config keys: model, mesh, mesh_names, solver, lazy_costs, hardware, experiment,
-# repeated_subgraphs, optimality_check, results_dir, revision_label, and overrides
+# repeated_layers, optimality_check, results_dir, revision_label, and overrides
 # (further space-separated Hydra overrides, e.g. overrides="solver.time_limit_s=60").
 # A bad value prints one line on stderr and exits with status 2 before any job runs.
 
