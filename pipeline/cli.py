@@ -91,7 +91,7 @@ def stage_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _is_current(stage: str, dirs: StageDirs, code: str) -> bool:
+def stage_is_current(stage: str, dirs: StageDirs, code: str) -> bool:
     """Whether the stage's artifact exists, was made by the current code, and is not older
     than the artifact it was computed from (the checks Snakemake makes, for one process)."""
     done = sentinel(dirs, stage)
@@ -152,7 +152,7 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
     directory = dirs.of(stage)
     code = stage_code_hash(stage)
     with stage_lock(directory):
-        if not force and stage != "report" and _is_current(stage, dirs, code):
+        if not force and stage != "report" and stage_is_current(stage, dirs, code):
             log.info("%s: reusing %s", stage, sentinel(dirs, stage))
             return False
         log.info("%s: running in %s", stage, directory)

@@ -1,4 +1,4 @@
-"""The paper (pipeline/paper.py, workflow/rules/paper.smk): experiments compose into run
+"""The paper (pipeline/paper/, workflow/rules/paper.smk): experiments compose into run
 sets, the eager-vs-lazy table and the figures from a synthetic runs table with known
 numbers, provenance of every artifact, the Snakemake DAG of `snakemake paper`, and one
 small end-to-end paper from two real toy runs.
@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -280,6 +283,19 @@ def test_snakemake_paper_bad_experiment_is_one_line(tmp_path):
 
 
 # --------------------------------------------------------------------------- end to end
+
+
+def test_python_m_pipeline_paper_bad_experiment_is_one_line(tmp_path):
+    """The real ``python -m pipeline.paper`` (the package's ``__main__``): exit 2, one
+    line on stderr, nothing written."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH")] if p)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.paper", "--no-run",
+                           "experiment=nope"], cwd=tmp_path, capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["experiment=nope: allowed paper, paper_toy"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_paper_end_to_end_from_two_real_runs(tmp_path, monkeypatch, capsys):
