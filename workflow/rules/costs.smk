@@ -1,14 +1,14 @@
 rule costs:
     input:
-        stage_output("topology"),
+        run_output("topology"),
     output:
-        stage_output("costs"),
+        run_output("costs"),
     params:
-        overrides=stage_params("costs"),
+        overrides=run_params("costs"),
         code=stage_code("costs"),
     log:
-        stage_log("costs"),
+        run_log("costs"),
     benchmark:
-        stage_benchmark("costs")
+        run_benchmark("costs")
     shell:
         "python -m pipeline.cli costs {params.overrides:q} > {log} 2>&1"

@@ -1,14 +1,14 @@
 rule solve:
     input:
-        stage_output("costs"),
+        run_output("costs"),
     output:
-        stage_output("solve"),
+        run_output("solve"),
     params:
-        overrides=stage_params("solve"),
+        overrides=run_params("solve"),
         code=stage_code("solve"),
     log:
-        stage_log("solve"),
+        run_log("solve"),
     benchmark:
-        stage_benchmark("solve")
+        run_benchmark("solve")
     shell:
         "python -m pipeline.cli solve {params.overrides:q} > {log} 2>&1"
