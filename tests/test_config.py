@@ -532,6 +532,30 @@ def test_stage_code_hash_follows_the_stage_sources(tmp_path):
     assert len(stage_code_hash("trace")) == 16
 
 
+@pytest.mark.parametrize("stage, module, package_file", [
+    ("topology", "pipeline/topology.py", "pipeline/topology/ir.py"),
+    ("costs", "pipeline/costmodel/redistribute.py", "pipeline/costmodel/redistribute/plan.py"),
+    ("solve", "pipeline/solvers/ilp.py", "pipeline/solvers/ilp/highs.py"),
+    ("paper", "pipeline/paper.py", "pipeline/paper/figures.py"),
+])
+def test_stage_code_hash_covers_a_module_split_into_a_package(tmp_path, stage, module,
+                                                               package_file):
+    """A stage's hash follows its code as a module and after the module became a package
+    (files at any depth of the package)."""
+    (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / module).write_text("a = 1\n")
+    as_module = stage_code_hash(stage, root=tmp_path)
+    (tmp_path / module).unlink()
+    (tmp_path / package_file).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / package_file).write_text("a = 1\n")
+    as_package = stage_code_hash(stage, root=tmp_path)
+    (tmp_path / package_file).write_text("a = 2\n")
+    assert len({as_module, as_package, stage_code_hash(stage, root=tmp_path)}) == 3
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert stage_code_hash(stage, root=empty) not in (as_module, as_package)
+
+
 # --------------------------------------------------------------------------- stage runs
 
 
