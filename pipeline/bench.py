@@ -245,13 +245,6 @@ def _load_1m() -> float | None:
 # --------------------------------------------------------------------------- one case
 
 
-def _hydra_path(path: Path) -> str:
-    text = str(path)
-    if re.fullmatch(r"[A-Za-z0-9_./+-]+", text):
-        return text
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def _tail(path: Path) -> str:
     """The last non-empty line of a log file (at most 300 characters)."""
     try:
@@ -353,9 +346,9 @@ def _empty_row() -> dict[str, Any]:
 def run_case(case: Case, index: int, results_dir: Path, log_dir: Path,
              timeout: float | None = None) -> dict[str, Any]:
     """Run one case in a fresh process and return its row (see :data:`COLUMNS`)."""
-    from pipeline.config import ConfigError, load_resolved, stage_dirs
+    from pipeline.config import ConfigError, load_resolved, override_value, stage_dirs
 
-    overrides = [*case.overrides, f"results_dir={_hydra_path(results_dir)}"]
+    overrides = [*case.overrides, f"results_dir={override_value(str(results_dir), quote='path')}"]
     row = _empty_row()
     row.update(case_index=index, case=case.label, load_1m=_load_1m(), code=code_hash())
     cfg = dirs = None
@@ -659,13 +652,14 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def _dry_run(suite: Suite, selected: list[tuple[int, Case]], out: Path, fresh: bool) -> int:
     """Print one line per selected case (index, then the command); validate each config."""
-    from pipeline.config import ConfigError, load_resolved
+    from pipeline.config import ConfigError, load_resolved, override_value
 
     bad = 0
     for index, case in selected:
         results_dir = (out / "fresh" / suite.name / f"{index:02d}-{case.slug}" if fresh
                        else out / "results")
-        overrides = [*case.overrides, f"results_dir={_hydra_path(results_dir)}"]
+        overrides = [*case.overrides,
+                     f"results_dir={override_value(str(results_dir), quote='path')}"]
         note = ""
         try:
             load_resolved(overrides)

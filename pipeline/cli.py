@@ -87,7 +87,7 @@ def stage_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def is_current(stage: str, dirs: StageDirs, code: str) -> bool:
+def stage_is_current(stage: str, dirs: StageDirs, code: str) -> bool:
     """Whether the stage's artifact exists, was made by the current code, and is not older
     than the artifact it was computed from (the checks Snakemake makes, for one process)."""
     done = sentinel(dirs, stage)
@@ -106,7 +106,7 @@ def is_current(stage: str, dirs: StageDirs, code: str) -> bool:
     return True
 
 
-_is_current = is_current  # the old private name (pipeline/paper.py still uses it)
+
 
 
 def _call_stage(stage: str, cfg: DictConfig, dirs: StageDirs) -> None:
@@ -151,7 +151,7 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
     directory = dirs.of(stage)
     code = stage_code_hash(stage)
     with stage_lock(directory):
-        if not force and stage != "report" and is_current(stage, dirs, code):
+        if not force and stage != "report" and stage_is_current(stage, dirs, code):
             log.info("%s: reusing %s", stage, sentinel(dirs, stage))
             return False
         log.info("%s: running in %s", stage, directory)

@@ -56,6 +56,7 @@ from pipeline.config import (
     ConfigError,
     group_options,
     load_resolved,
+    override_value,
     stage_dirs,
 )
 
@@ -103,10 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _quoted(value: str) -> str:
-    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
 def flags_to_overrides(args: argparse.Namespace) -> list[str]:
     """Hydra overrides for parsed flags.
 
@@ -120,13 +117,13 @@ def flags_to_overrides(args: argparse.Namespace) -> list[str]:
                           "without --moe-layout")
     out = [f"model={args.model}", f"solver={args.solver}"]
     if args.mesh is not None:
-        out.append(f"mesh={_quoted(args.mesh.strip())}")
+        out.append(f"mesh={override_value(args.mesh.strip(), quote='always')}")
     if args.lazy_costs is not None:
         out.append(f"lazy_costs={args.lazy_costs}")
     if args.revision_label is not None:
-        out.append(f"revision_label={_quoted(args.revision_label)}")
+        out.append(f"revision_label={override_value(args.revision_label, quote='always')}")
     if args.results_dir is not None:
-        out.append(f"results_dir={_quoted(args.results_dir)}")
+        out.append(f"results_dir={override_value(args.results_dir, quote='always')}")
     for ov in args.overrides:
         if "=" not in ov:
             raise ConfigError(f"{ov}: not an override; allowed KEY=VALUE Hydra overrides")
@@ -163,7 +160,7 @@ def expanded_config(cfg: Any) -> dict[str, Any]:
         "solver": plain(cfg.solver),
         "lazy_costs": bool(cfg.lazy_costs),
         "constraints": plain(cfg.constraints),
-        "repeated_subgraphs": bool(cfg.repeated_subgraphs),
+        "repeated_layers": bool(cfg.repeated_layers),
     }
 
 

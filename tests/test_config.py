@@ -27,6 +27,7 @@ from pipeline.config import (
     load_config,
     load_resolved,
     normalise_overrides,
+    override_value,
     overrides_from_snakemake,
     parse_mesh,
     resolve,
@@ -93,7 +94,7 @@ def test_solver_presets():
 def test_defaults_and_config_yaml_agree_with_the_schema():
     cfg = load_config([])
     schema = OmegaConf.structured(Config)
-    for key in ("mesh", "mesh_names", "lazy_costs", "repeated_subgraphs", "optimality_check",
+    for key in ("mesh", "mesh_names", "lazy_costs", "repeated_layers", "optimality_check",
                 "results_dir", "experiment", "revision_label", "constraints"):
         assert cfg[key] == schema[key], key
     assert (cfg.model.name, cfg.hardware.name, cfg.solver.name) == ("llama1b", "h100", "approx")
@@ -196,10 +197,10 @@ BAD_CASES = [
      "solver.max_iters=0: allowed an integer >= 1"),
     ("unknown-key", ["foo=1"], ["overrides=foo=1"],
      "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
-     "constraints, mesh, mesh_names, lazy_costs, repeated_subgraphs, optimality_check, "
+     "constraints, mesh, mesh_names, lazy_costs, repeated_layers, optimality_check, "
      "results_dir, experiment, revision_label, paper"),
-    ("bool-2", ["repeated_subgraphs=2"], ["repeated_subgraphs=2"],
-     "repeated_subgraphs=2: allowed true, false"),
+    ("bool-2", ["repeated_layers=2"], ["repeated_layers=2"],
+     "repeated_layers=2: allowed true, false"),
 ]
 
 
@@ -374,12 +375,65 @@ def test_overrides_from_snakemake_refuses_unknown_keys():
         overrides_from_snakemake({"meshes": 8})
 
 
+@pytest.mark.parametrize("value, auto, path, always, never", [
+    ("toy", "toy", "toy", "'toy'", "toy"),
+    ("2x4", "'2x4'", "2x4", "'2x4'", "2x4"),
+    ("/tmp/a b", "'/tmp/a b'", "'/tmp/a b'", "'/tmp/a b'", "/tmp/a b"),
+    ("results/x-1.0+y", "'results/x-1.0+y'", "results/x-1.0+y", "'results/x-1.0+y'",
+     "results/x-1.0+y"),
+    ("it's", "'it\\'s'", "'it\\'s'", "'it\\'s'", "it's"),
+    # Hydra reads a backslash literally unless backslashes precede a quote or the end
+    ("a\\b", "'a\\b'", "'a\\b'", "'a\\b'", "a\\b"),
+    ("a\\", "'a\\\\'", "'a\\\\'", "'a\\\\'", "a\\"),
+    ("a\\'b", "'a\\\\\\'b'", "'a\\\\\\'b'", "'a\\\\\\'b'", "a\\'b"),
+    ("S(0)RR", "'S(0)RR'", "'S(0)RR'", "'S(0)RR'", "S(0)RR"),
+    ("null", "'null'", "'null'", "'null'", "null"),
+    ("True", "'True'", "'True'", "'True'", "True"),
+    (None, "null", "null", "null", "null"),
+    (False, "false", "false", "false", "false"),
+    (8, "8", "8", "8", "8"),
+    (1e-05, "1e-05", "1e-05", "1e-05", "1e-05"),
+    ([2, "a b"], "[2,'a b']", "[2,'a b']", "[2,'a b']", "[2,a b]"),
+    ({0: 4096, "k": "x/y"}, "{0:4096,k:'x/y'}", "{0:4096,k:x/y}", "{0:4096,k:'x/y'}",
+     "{0:4096,k:x/y}"),
+])
+def test_override_value_quotes_each_way(value, auto, path, always, never):
+    """The one override renderer in its four modes (worked out by hand)."""
+    assert override_value(value) == auto
+    assert override_value(value, quote="path") == path
+    assert override_value(value, quote="always") == always
+    assert override_value(value, quote="never") == never
+    assert override_value(OmegaConf.create({"v": value}).v if isinstance(value, (list, dict))
+                          else value, quote="never") == never
+
+
+@pytest.mark.parametrize("text", ["toy", "2x4", "2,4,8", "/tmp/a b", "it's", "a\\b",
+                                  "a\\", "a\\'b", "a\\\\'", "S(0)RR", "(S(0)R|-)", "null",
+                                  "TRUE", "inf", "1e10",
+                                  "a=b", "", " x ", "${oops}"])
+@pytest.mark.parametrize("quote", ["auto", "always"])
+def test_override_value_is_read_back_by_hydra_as_the_same_string(text, quote):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_override(f"k={override_value(text, quote)}")
+    assert parsed.value() == text
+
+
+def test_override_value_refuses_what_it_cannot_render():
+    with pytest.raises(ValueError, match=r"^quote=sometimes: allowed auto, path, always, never$"):
+        override_value("x", quote="sometimes")
+    with pytest.raises(TypeError):
+        override_value({1, 2})
+    assert override_value({1}, quote="never") == "{1}"
+
+
 @pytest.mark.parametrize("overrides", [
     [], ["model=toy", "solver=ilp", "mesh=8"], ["model=llama70b", "solver=lp"],
     ["model.ffn_hidden_overrides={0:4096}", "constraints.inputs=S(0)R",
      "constraints.nodes=[{match:'it\\'s',placement:'(S(0)R|-)'}]", "mesh=2x4",
      "mesh_names=[a,b]", "results_dir=/tmp/a b", "constraints.param_memory=null",
      "hardware.intra_node.all_reduce_bw=1e11", "solver.time_limit_s=60"],
+    ["results_dir='/tmp/a\\b\\\\'", "constraints.nodes=[{match:'layers\\.0',placement:RRR}]"],
 ])
 def test_stage_overrides_rebuild_each_stage_key(overrides):
     cfg = load_resolved(overrides)
@@ -476,6 +530,30 @@ def test_stage_code_hash_follows_the_stage_sources(tmp_path):
     (tmp_path / "pipeline" / "solve.py").write_text("a = 2\n")
     assert stage_code_hash("solve", root=tmp_path) not in (first, second)
     assert len(stage_code_hash("trace")) == 16
+
+
+@pytest.mark.parametrize("stage, module, package_file", [
+    ("topology", "pipeline/topology.py", "pipeline/topology/ir.py"),
+    ("costs", "pipeline/costmodel/redistribute.py", "pipeline/costmodel/redistribute/plan.py"),
+    ("solve", "pipeline/solvers/ilp.py", "pipeline/solvers/ilp/highs.py"),
+    ("paper", "pipeline/paper.py", "pipeline/paper/figures.py"),
+])
+def test_stage_code_hash_covers_a_module_split_into_a_package(tmp_path, stage, module,
+                                                               package_file):
+    """A stage's hash follows its code as a module and after the module became a package
+    (files at any depth of the package)."""
+    (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / module).write_text("a = 1\n")
+    as_module = stage_code_hash(stage, root=tmp_path)
+    (tmp_path / module).unlink()
+    (tmp_path / package_file).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / package_file).write_text("a = 1\n")
+    as_package = stage_code_hash(stage, root=tmp_path)
+    (tmp_path / package_file).write_text("a = 2\n")
+    assert len({as_module, as_package, stage_code_hash(stage, root=tmp_path)}) == 3
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert stage_code_hash(stage, root=empty) not in (as_module, as_package)
 
 
 # --------------------------------------------------------------------------- stage runs

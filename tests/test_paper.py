@@ -1,4 +1,4 @@
-"""The paper (pipeline/paper.py, workflow/rules/paper.smk): experiments compose into run
+"""The paper (pipeline/paper/, workflow/rules/paper.smk): experiments compose into run
 sets, the eager-vs-lazy table and the figures from a synthetic runs table with known
 numbers, provenance of every artifact, the Snakemake DAG of `snakemake paper`, and one
 small end-to-end paper from two real toy runs.
@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -254,23 +257,35 @@ def jobs_of(out: str) -> dict[str, int]:
     return jobs
 
 
+def outputs_of(out: str) -> set[str]:
+    """The output files of every job of a dry run."""
+    return set(re.findall(r"^\s+output: (.+)$", out, re.M))
+
+
 def test_snakemake_paper_plans_every_run_once(tmp_path):
     code, out, err = snakemake(tmp_path, "-n", "paper")
     assert code == 0, err
-    # 3 traces (2, 4, 8 layers), 5 topologies, 8 cost dirs, 11 runs, 1 paper
-    assert jobs_of(out) == {"paper_trace": 3, "paper_topology": 5, "paper_costs": 8,
-                            "paper_solve": 11, "paper": 1}
+    # 3 traces (2, 4, 8 layers), 5 topologies, 8 cost dirs, 11 runs, 1 paper: the stage
+    # rules of the --config run make the experiment's runs too (wildcard paths)
+    assert jobs_of(out) == {"trace": 3, "topology": 5, "costs": 8, "solve": 11, "paper": 1}
     assert "results/paper/paper_toy/eager_vs_lazy.md" in out
+    exp = paper.load_experiment([])
+    solves = {str(stage_dirs(r.cfg).solve / "run.json") for r in exp.runs()}
+    assert solves <= outputs_of(out) and len(solves) == 11
     assert not (tmp_path / "results").exists()
 
 
-def test_snakemake_paper_uses_the_main_rules_for_the_config_run(tmp_path):
-    """Where a paper run is the --config run, the main rules make it (ruleorder)."""
+def test_snakemake_paper_makes_the_config_run_once(tmp_path):
+    """Where a paper run is the --config run, it is one job, not two: the same jobs as
+    without --config."""
     code, out, err = snakemake(tmp_path, "-n", "paper", "--config", "model=toy", "mesh=8")
     assert code == 0, err
-    assert jobs_of(out) == {"trace": 1, "topology": 1, "costs": 1, "solve": 1,
-                            "paper_trace": 2, "paper_topology": 4, "paper_costs": 7,
-                            "paper_solve": 10, "paper": 1}
+    assert jobs_of(out) == {"trace": 3, "topology": 5, "costs": 8, "solve": 11, "paper": 1}
+    config_run = stage_dirs(load_resolved(["model=toy", "mesh=8"])).solve / "run.json"
+    assert str(config_run) in outputs_of(out)
+    code, plain, err = snakemake(tmp_path, "-n", "paper")
+    assert code == 0, err
+    assert outputs_of(out) == outputs_of(plain)
 
 
 def test_snakemake_paper_bad_experiment_is_one_line(tmp_path):
@@ -280,6 +295,19 @@ def test_snakemake_paper_bad_experiment_is_one_line(tmp_path):
 
 
 # --------------------------------------------------------------------------- end to end
+
+
+def test_python_m_pipeline_paper_bad_experiment_is_one_line(tmp_path):
+    """The real ``python -m pipeline.paper`` (the package's ``__main__``): exit 2, one
+    line on stderr, nothing written."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH")] if p)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.paper", "--no-run",
+                           "experiment=nope"], cwd=tmp_path, capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.splitlines() == ["experiment=nope: allowed paper, paper_toy"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_paper_end_to_end_from_two_real_runs(tmp_path, monkeypatch, capsys):

@@ -97,7 +97,7 @@ BASE = {"model": "toy", "mesh": "2,4,8", "solver": "ilp"}
     (["overrides=hardware.kernel_floor_us=5"], {"costs", "solve", "report"}),
     (["mesh=2x4"], {"topology", "costs", "solve", "report"}),
     (["mesh_names=[a,b,c]"], {"topology", "costs", "solve", "report"}),
-    (["repeated_subgraphs=false"], {"topology", "costs", "solve", "report"}),
+    (["repeated_layers=false"], {"topology", "costs", "solve", "report"}),
     (["overrides=model.n_layers=3"], RULES),
     (["model=llama1b"], RULES),
     (["revision_label=v2"], set()),

@@ -1,7 +1,7 @@
 """Groups: the problem nodes decided jointly.
 
 Forward/backward twins share an output placement (a parameter and its gradient
-sink; a float model input and its gradient). With ``repeated_subgraphs`` the
+sink; a float model input and its gradient). With ``repeated_layers`` the
 copies of a repeated layer share the strategy index of the first copy. Copies
 are recognised from the graph: nodes are labelled by module path (``layers.3``),
 each node gets a structural hash (op, shapes, dtypes, constant arguments and the

@@ -31,7 +31,7 @@ def build_topology(nodes: list[IRNode], mesh: Any, mesh_shape: tuple[int, ...],
     ``constraints`` keys used here: ``inputs``, ``outputs`` and ``nodes`` (pins,
     pipeline/topology/pins.py) and ``fwd_bwd_consistency`` (tie parameters to their
     gradient sinks, default true). ``tie_repeated_layers`` ties the copies of each
-    repeated layer (config ``repeated_subgraphs``). Raises TopologyError for a pin
+    repeated layer (config ``repeated_layers``). Raises TopologyError for a pin
     that matches nothing or no strategy.
     """
     start = time.perf_counter()
@@ -79,7 +79,7 @@ def run_topology(cfg: Any, trace_dir: Path, out_dir: Path) -> None:
         constraints = OmegaConf.to_container(cfg.constraints, resolve=True) or {}
         mesh = device_mesh(mesh_shape, mesh_names)
         topo = build_topology(nodes, mesh, mesh_shape, mesh_names, constraints,
-                              bool(cfg.repeated_subgraphs))
+                              bool(cfg.repeated_layers))
     write_topology(topo, Path(out_dir), {
         "stage": "topology", "phase_seconds": timer.seconds,
         "peak_rss_bytes": runtime.peak_rss_bytes(), "git": runtime.git_revision()})

@@ -2,11 +2,18 @@
 # and derive each stage's paths and params from it (all logic lives here and in
 # pipeline.config; the rules stay thin).
 #
+# The stage rules of a run (trace, topology, costs, solve) have wildcard paths below
+# <results_dir>/runs/, so one set of rules makes the --config run and every run of the
+# paper experiment (rule paper); a job's params are the overrides of the config whose
+# stage directory its output is in (run_config), so a run shared by several run sets, or
+# a trace shared by several runs, is one job.
+#
 # --config keys: model, mesh, mesh_names, solver, lazy_costs, hardware, experiment,
-# repeated_subgraphs, optimality_check, results_dir, revision_label, and overrides
+# repeated_layers, optimality_check, results_dir, revision_label, and overrides
 # (further space-separated Hydra overrides, e.g. overrides="solver.time_limit_s=60").
 # A bad value prints one line on stderr and exits with status 2 before any job runs.
 
+import functools
 import shlex
 import sys
 from pathlib import Path
@@ -24,6 +31,7 @@ from pipeline.config import (
     stage_dirs,
     stage_overrides,
 )
+from pipeline.paper import experiment_name, experiment_overrides, load_experiment, output_files
 
 try:
     PLAN_CFG = load_resolved(overrides_from_snakemake(config, sys.argv))
@@ -31,6 +39,9 @@ except ConfigError as err:
     print(err, file=sys.stderr)
     sys.exit(2)
 PLAN_DIRS = stage_dirs(PLAN_CFG)
+
+# The paper experiment's overrides: the --config ones, and experiment=paper_toy if none.
+PAPER_OVERRIDES = experiment_overrides(overrides_from_snakemake(config, sys.argv))
 
 # Jobs run `python -m pipeline.cli` with this interpreter and this checkout first on the
 # import path, so they run the same code whether or not the package is installed.
@@ -76,3 +87,114 @@ def stage_log(stage):
 
 def stage_benchmark(stage):
     return str(PLAN_DIRS.of(stage) / f"benchmark-{stage}.tsv")
+
+
+# --------------------------------------------------------------------------- run stages
+
+#: Directory of each stage of a run below <results_dir>/runs/, as wildcards.
+RUN_DIR_PATTERNS = {
+    "trace": "{trace}",
+    "topology": "{trace}/{topology}",
+    "costs": "{trace}/{topology}/{hardware}/{cost_mode}",
+    "solve": "{trace}/{topology}/{hardware}/{cost_mode}/{solver}",
+}
+
+
+wildcard_constraints:
+    trace=r"[^/]+",
+    topology=r"[^/]+",
+    hardware=r"[^/]+",
+    cost_mode=r"lazy|eager",
+    solver=r"[^/]+",
+
+
+@functools.cache
+def experiment_runs():
+    """{stage: {stage directory: resolved config}} over every run of the paper
+    experiment, composed on first use; a bad experiment stops the workflow with one line."""
+    try:
+        exp = load_experiment(PAPER_OVERRIDES)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        sys.exit(2)
+    registry = {s: {} for s in RUN_DIR_PATTERNS}
+    for run in exp.runs():
+        dirs = stage_dirs(run.cfg)
+        for stage, table in registry.items():
+            table.setdefault(str(dirs.of(stage)), run.cfg)
+    return registry
+
+
+def run_config(stage, directory):
+    """The resolved config whose ``stage`` directory is ``directory``: the --config run's,
+    else a paper run's (the experiment is composed only when a job needs it)."""
+    if directory == str(PLAN_DIRS.of(stage)):
+        return PLAN_CFG
+    cfg = experiment_runs()[stage].get(directory)
+    if cfg is None:
+        raise ValueError(f"{directory}: not a {stage} directory of the --config run or of "
+                         f"experiment {experiment_name(PAPER_OVERRIDES)}")
+    return cfg
+
+
+def run_path(stage, name):
+    """<results_dir>/runs/<the stage's directory, with wildcards>/<name>."""
+    return str(Path(PLAN_CFG.results_dir) / "runs" / RUN_DIR_PATTERNS[stage] / name)
+
+
+def run_output(stage):
+    """The sentinel artifact of a run stage (with wildcards)."""
+    return run_path(stage, SENTINELS[stage])
+
+
+def run_outputs(stage, cost_mode=None):
+    """Every artifact a run stage writes (with wildcards), sentinel last. The costs stage
+    writes factors.npz only with eager costs, so its rules name the cost mode."""
+    lazy = cost_mode != "eager"
+    return [_in_mode(run_path(stage, a.name), cost_mode)
+            for a in _stage_artifacts(stage, lazy)]
+
+
+def costs_outputs(wildcards):
+    """Input of rule solve: every artifact of the costs stage of the job's cost mode."""
+    return [p.format(**wildcards) for p in run_outputs("costs", wildcards.cost_mode)]
+
+
+def run_params(stage):
+    """params.overrides of a run stage: the Hydra overrides of exactly the config the stage
+    depends on, for the run whose stage directory the job's output is in."""
+
+    def overrides(wildcards, output):
+        return stage_overrides(run_config(stage, str(Path(output[0]).parent)), stage)
+
+    return overrides
+
+
+def _in_mode(path, cost_mode):
+    return path if cost_mode is None else path.replace("{cost_mode}", cost_mode)
+
+
+def run_log(stage, cost_mode=None):
+    return _in_mode(run_path(stage, f"{stage}.log"), cost_mode)
+
+
+def run_benchmark(stage, cost_mode=None):
+    return _in_mode(run_path(stage, f"benchmark-{stage}.tsv"), cost_mode)
+
+
+# --------------------------------------------------------------------------- paper
+
+
+def paper_run_records(wildcards):
+    """Input of the paper rule: the run record of every run of the experiment."""
+    return [str(Path(d) / SENTINELS["solve"]) for d in experiment_runs()["solve"]]
+
+
+def paper_outputs():
+    """Every file the paper writes for the experiment."""
+    return output_files(PLAN_CFG.results_dir, experiment_name(PAPER_OVERRIDES))
+
+
+def paper_log():
+    """Log of the paper rule, <results_dir>/paper/<experiment>.log."""
+    return str(Path(PLAN_CFG.results_dir) / "paper" / f"{experiment_name(PAPER_OVERRIDES)}.log")

@@ -1,14 +1,32 @@
-rule costs:
+# Two rules of one stage: with eager costs the stage also writes factors.npz, and a
+# rule's outputs cannot depend on a wildcard. Their paths differ in the cost-mode level.
+rule costs_lazy:
     input:
-        stage_outputs("topology"),
+        run_outputs("topology"),
     output:
-        stage_outputs("costs"),
+        run_outputs("costs", "lazy"),
     params:
-        overrides=stage_params("costs"),
+        overrides=run_params("costs"),
         code=stage_code("costs"),
     log:
-        stage_log("costs"),
+        run_log("costs", "lazy"),
     benchmark:
-        stage_benchmark("costs")
+        run_benchmark("costs", "lazy")
+    shell:
+        "python -m pipeline.cli costs {params.overrides:q} > {log} 2>&1"
+
+
+rule costs_eager:
+    input:
+        run_outputs("topology"),
+    output:
+        run_outputs("costs", "eager"),
+    params:
+        overrides=run_params("costs"),
+        code=stage_code("costs"),
+    log:
+        run_log("costs", "eager"),
+    benchmark:
+        run_benchmark("costs", "eager")
     shell:
         "python -m pipeline.cli costs {params.overrides:q} > {log} 2>&1"

@@ -1,14 +1,14 @@
 rule solve:
     input:
-        stage_outputs("costs"),
+        costs_outputs,
     output:
-        stage_outputs("solve"),
+        run_outputs("solve"),
     params:
-        overrides=stage_params("solve"),
+        overrides=run_params("solve"),
         code=stage_code("solve"),
     log:
-        stage_log("solve"),
+        run_log("solve"),
     benchmark:
-        stage_benchmark("solve")
+        run_benchmark("solve")
     shell:
         "python -m pipeline.cli solve {params.overrides:q} > {log} 2>&1"

@@ -1,14 +1,14 @@
 rule topology:
     input:
-        stage_outputs("trace"),
+        run_outputs("trace"),
     output:
-        stage_outputs("topology"),
+        run_outputs("topology"),
     params:
-        overrides=stage_params("topology"),
+        overrides=run_params("topology"),
         code=stage_code("topology"),
     log:
-        stage_log("topology"),
+        run_log("topology"),
     benchmark:
-        stage_benchmark("topology")
+        run_benchmark("topology")
     shell:
         "python -m pipeline.cli topology {params.overrides:q} > {log} 2>&1"

@@ -1,12 +1,12 @@
 rule trace:
     output:
-        stage_outputs("trace"),
+        run_outputs("trace"),
     params:
-        overrides=stage_params("trace"),
+        overrides=run_params("trace"),
         code=stage_code("trace"),
     log:
-        stage_log("trace"),
+        run_log("trace"),
     benchmark:
-        stage_benchmark("trace")
+        run_benchmark("trace")
     shell:
         "python -m pipeline.cli trace {params.overrides:q} > {log} 2>&1"

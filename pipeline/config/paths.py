@@ -1,0 +1,121 @@
+"""Result paths: the config hash, the keys each stage depends on, the deterministic
+stage directories (:func:`stage_dirs`) and the hash of each stage's source code
+(:func:`stage_code_hash`). The layout is in :mod:`pipeline.config`'s docstring.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from pipeline.config.schema import STAGES
+from pipeline.config.validate import mesh_label
+from pipeline.runtime import PROJECT_ROOT
+
+#: Source files (globs relative to the project root) whose content keys each stage's code.
+#: Packages are globbed recursively (``**`` also matches no directory: the package's own
+#: modules), and a module that is being split into a package is listed both ways
+#: (``pipeline/topology.py`` and ``pipeline/topology/**/*.py``), so the hash covers the
+#: stage's code before and after the split.
+STAGE_SOURCES: dict[str, tuple[str, ...]] = {
+    "trace": ("pipeline/trace.py", "pipeline/models/**/*.py"),
+    "topology": ("pipeline/topology.py", "pipeline/topology/**/*.py", "pipeline/ir.py",
+                 "pipeline/placements.py", "pipeline/artifacts.py"),
+    "costs": ("pipeline/costs.py", "pipeline/ir.py", "pipeline/costmodel/**/*.py",
+              "pipeline/budget.py", "pipeline/artifacts.py"),
+    # breakdown.py is cost-model code run by solve (the record's cost parts)
+    "solve": ("pipeline/solve.py", "pipeline/solvers/**/*.py", "pipeline/breakdown.py",
+              "pipeline/artifacts.py"),
+    "report": ("pipeline/report.py", "pipeline/artifacts.py"),
+    "paper": ("pipeline/paper.py", "pipeline/paper/**/*.py"),
+}
+
+
+def config_hash(obj: Any) -> str:
+    """First 8 hex digits of SHA-256 over the canonical JSON of ``obj`` (sorted keys,
+    no whitespace); independent of process and ``PYTHONHASHSEED``."""
+    if isinstance(obj, (DictConfig, ListConfig)):
+        obj = OmegaConf.to_container(obj, resolve=True)
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+#: Top-level keys each stage depends on, cumulatively: a stage's directory is keyed by a
+#: hash of exactly these (its artifacts: pipeline/artifacts.py).
+STAGE_KEYS: dict[str, tuple[str, ...]] = {
+    "trace": ("model",),
+    "topology": ("model", "mesh", "mesh_names", "constraints", "repeated_layers"),
+    "costs": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "hardware",
+              "lazy_costs"),
+    "solve": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "hardware",
+              "lazy_costs", "solver", "optimality_check"),
+    "report": ("results_dir",),
+}
+
+
+def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
+    """The part of a *resolved* config that ``stage`` depends on, as plain data."""
+    if stage not in STAGE_KEYS:
+        raise ValueError(f"stage={stage}: allowed {', '.join(STAGES)}")
+    return {k: OmegaConf.to_container(cfg[k], resolve=True)
+            if isinstance(cfg[k], (DictConfig, ListConfig)) else cfg[k]
+            for k in STAGE_KEYS[stage]}
+
+
+@dataclass(frozen=True)
+class StageDirs:
+    """Directories of one run's stages (relative to the working directory when
+    ``results_dir`` is relative). Each holds its stage's artifacts; they nest:
+    ``solve`` is inside ``costs``, inside ``topology``, inside ``trace``."""
+
+    trace: Path
+    topology: Path
+    costs: Path
+    solve: Path
+    report: Path
+
+    def of(self, stage: str) -> Path:
+        """The directory of ``stage`` (one of :data:`STAGES`)."""
+        return getattr(self, stage)
+
+
+def stage_dirs(cfg: DictConfig) -> StageDirs:
+    """Result directories of a *resolved* config (see the module docstring for the layout).
+
+    The hardware level is keyed by the topology keys plus ``hardware.*``; the cost mode
+    is the next level (``lazy``/``eager``), so the costs directory is keyed by both.
+
+    Example: ``results/runs/llama1b-3f2a9c1e/2x4x8-71b0d2aa/h100-0c9e4f12/lazy/approx-5d1e8b03``.
+    """
+    root = Path(cfg.results_dir)
+    trace = root / "runs" / f"{cfg.model.name}-{config_hash(stage_keys(cfg, 'trace'))}"
+    topology = trace / f"{mesh_label(cfg.mesh)}-{config_hash(stage_keys(cfg, 'topology'))}"
+    hardware = {**stage_keys(cfg, "topology"), "hardware": stage_keys(cfg, "costs")["hardware"]}
+    costs = (topology / f"{cfg.hardware.name}-{config_hash(hardware)}"
+             / ("lazy" if cfg.lazy_costs else "eager"))
+    solve = costs / f"{cfg.solver.name}-{config_hash(stage_keys(cfg, 'solve'))}"
+    return StageDirs(trace=trace, topology=topology, costs=costs, solve=solve,
+                     report=root / "report")
+
+
+def stage_code_hash(stage: str, root: Path = PROJECT_ROOT) -> str:
+    """SHA-256 (16 hex digits) of the source files of ``stage`` (:data:`STAGE_SOURCES`).
+
+    Paths and contents enter the hash, so an added, removed or edited file changes it;
+    a file that does not exist yet is simply absent. Used as a Snakemake ``params:``
+    value so that a code change reruns the stage (it is not part of the directory key).
+    """
+    if stage not in STAGE_SOURCES:
+        raise ValueError(f"stage={stage}: allowed {', '.join(STAGES)}")
+    files = sorted({p for pattern in STAGE_SOURCES[stage] for p in root.glob(pattern)
+                    if p.is_file()})
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0")
+        h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]

@@ -1,0 +1,254 @@
+"""The config schema: structured-config dataclasses, registered in Hydra's ``ConfigStore``.
+
+The YAML files under ``conf/`` are merged onto :class:`Config` (its first defaults entry
+is ``config_schema``, :func:`register_configs`), so a misspelt key or a value of the
+wrong type is refused. This module also holds the names the other config modules share
+(stage and group names, :class:`ConfigError`) and the introspection of the schema that
+their one-line messages use (:func:`schema_type`, :func:`allowed_text`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING
+
+from pipeline.costmodel.hardware import HardwareConfig
+from pipeline.models.llama import ModelConfig
+from pipeline.runtime import PROJECT_ROOT
+
+#: Absolute path of the Hydra config directory (``initialize_config_dir`` needs one).
+CONF_DIR: Path = PROJECT_ROOT / "conf"
+
+#: Stage names in execution order.
+STAGES: tuple[str, ...] = ("trace", "topology", "costs", "solve", "report")
+
+#: Config groups (directories under ``conf/``).
+GROUPS: tuple[str, ...] = ("model", "hardware", "solver", "experiment")
+
+SOLVER_NAMES: tuple[str, ...] = ("approx", "ilp", "lp")
+MIP_BACKENDS: tuple[str, ...] = ("highs", "cbc")
+DEFAULT_MESH_NAMES: dict[int, list[str]] = {1: ["dp"], 2: ["dp", "tp"], 3: ["dp", "cp", "tp"]}
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; ``str(err)`` is one line naming key, value and what is
+    allowed, e.g. ``mesh=2,0,8: allowed positive integers joined by ',' or 'x' ...``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(str(message).split()))
+
+
+@dataclass
+class SolverConfig:
+    """Solver choice and options (one schema for all solvers; each reads its own fields).
+
+    Attributes:
+        name: ``approx`` (TRW-S + local search), ``ilp`` (exact, PuLP) or ``lp``
+            (LP relaxation, PuLP).
+        max_iters: approx: TRW-S iteration cap (deterministic).
+        tol: approx: stop when the lower bound improves by less than this (relative).
+        local_search_rounds: approx: rounds of the local-search polish.
+        prune: ilp/lp, and the LP of ``optimality_check``: before building the
+            program, run TRW-S and drop every label whose dual lower bound exceeds
+            the energy of TRW-S's (feasible) plan: exact reduced-cost fixing, the
+            optimum is unchanged (pipeline/solvers/pruning.py). ``False``: the
+            unreduced program.
+        time_limit_s: wall-clock safety net in seconds (``None``: off; breaks
+            determinism when it triggers).
+        backend: ilp/lp: PuLP backend, ``highs`` or ``cbc``.
+        mip_gap: ilp: relative MIP gap at which the backend may stop (0: exact).
+        threads: ilp/lp: backend threads.
+    """
+
+    name: str = "approx"
+    max_iters: int = 500
+    tol: float = 1e-7
+    local_search_rounds: int = 50
+    prune: bool = True
+    time_limit_s: float | None = None
+    backend: str = "highs"
+    mip_gap: float = 0.0
+    threads: int = 1
+
+
+@dataclass
+class NodeConstraint:
+    """Pin the output placement of the graph nodes ``match`` selects (compact notation)."""
+
+    match: str = MISSING
+    placement: str = MISSING
+
+
+@dataclass
+class ParamMemoryConfig:
+    """Bounds on the fraction of all parameter memory held by one device.
+
+    ``high=None`` resolves to ``1 / prod(mesh)`` (fully sharded parameters).
+    """
+
+    low: float = 0.0
+    high: float | None = None
+
+
+@dataclass
+class ConstraintsConfig:
+    """User constraints of the topology stage.
+
+    Attributes:
+        inputs: placement of the model inputs (``None``: ``S(0)`` on the first mesh dim,
+            ``R`` on the others).
+        outputs: placement of the outputs (``None``: unconstrained).
+        nodes: per-node pins ``{match, placement}``.
+        param_memory: parameter-memory budget per device, or ``None`` for none.
+        fwd_bwd_consistency: tie a parameter (model input) and its gradient to one
+            placement.
+    """
+
+    inputs: str | None = None
+    outputs: str | None = None
+    nodes: list[NodeConstraint] = field(default_factory=list)
+    param_memory: ParamMemoryConfig | None = field(default_factory=ParamMemoryConfig)
+    fwd_bwd_consistency: bool = True
+
+
+@dataclass
+class PaperConfig:
+    """The runs behind the paper's tables and figures (set by ``conf/experiment/paper*.yaml``;
+    read by :mod:`pipeline.paper`, not part of any stage's key).
+
+    Attributes:
+        runs: named run sets; each is a list of Hydra overrides in the multirun grammar
+            (``mesh=8,2x4``, ``lazy_costs=true,false``) applied on top of the experiment's
+            config, and every combination of their values is one run.
+        table_mesh: mesh of the eager-vs-lazy table (``None``: the largest mesh of its set).
+    """
+
+    runs: dict[str, list[str]] = field(default_factory=dict)
+    table_mesh: str | None = None
+
+
+@dataclass
+class Config:
+    """The whole run configuration (``conf/config.yaml`` is merged onto this schema).
+
+    Attributes:
+        model, hardware, solver: the selected options of the config groups.
+        constraints: see :class:`ConstraintsConfig`.
+        mesh: device mesh shape: ``"2,4,8"``, ``"2x4x8"``, ``8`` or a list; resolved
+            to a list of ints.
+        mesh_names: one name per mesh dim (``None``: dp / dp,tp / dp,cp,tp by rank).
+        lazy_costs: lazy cost factors (``None``: true for approx, false for ilp/lp).
+        repeated_layers: tie the copies of a repeated layer to one decision.
+        optimality_check: also compute a certificate of optimality where possible.
+        results_dir: root of all results, relative to the working directory.
+        experiment: name of the selected ``conf/experiment`` option (set by it).
+        revision_label: recorded in place of the git revision when given.
+        paper: run sets of the paper's tables and figures, see :class:`PaperConfig`.
+    """
+
+    model: ModelConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    solver: SolverConfig = MISSING
+    constraints: ConstraintsConfig = field(default_factory=ConstraintsConfig)
+    mesh: Any = "2,4,8"
+    mesh_names: list[str] | None = None
+    lazy_costs: bool | None = None
+    repeated_layers: bool = True
+    optimality_check: bool = False
+    results_dir: str = "results"
+    experiment: str | None = None
+    revision_label: str | None = None
+    paper: PaperConfig = field(default_factory=PaperConfig)
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ``ConfigStore`` (idempotent).
+
+    ``config_schema`` is the first entry of ``conf/config.yaml``'s defaults list;
+    the group options are validated through the typed fields of :class:`Config`.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+def group_options(group: str) -> list[str]:
+    """Names of the YAML options of a config group (``conf/<group>/*.yaml``), sorted."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+# --------------------------------------------------------------------------- introspection
+
+
+def _unwrap_optional(t: Any) -> tuple[Any, bool]:
+    args = typing.get_args(t)
+    if type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else Any), True
+    return t, False
+
+
+def schema_type(key: str) -> tuple[Any, bool] | None:
+    """(type, optional) of a dotted key in the :class:`Config` schema, ``None`` if unknown.
+
+    List indices (``constraints.nodes.0.match``) and dict entries are followed."""
+    t: Any = Config
+    optional = False
+    for part in key.split("."):
+        origin = typing.get_origin(t)
+        if dataclasses.is_dataclass(t):
+            hints = typing.get_type_hints(t)
+            if part not in hints:
+                return None
+            t = hints[part]
+        elif origin is list and part.isdigit():
+            t = typing.get_args(t)[0]
+        elif origin is dict:
+            t = typing.get_args(t)[1]
+        elif t is Any:
+            return Any, True
+        else:
+            return None
+        t, optional = _unwrap_optional(t)
+    return t, optional
+
+
+#: Schema dataclasses by class name (OmegaConf names them in its errors).
+SCHEMAS: dict[str, Any] = {c.__name__: c for c in (
+    Config, ModelConfig, HardwareConfig, SolverConfig, ConstraintsConfig, NodeConstraint,
+    ParamMemoryConfig, PaperConfig)}
+SCHEMAS["LinkConfig"] = typing.get_type_hints(HardwareConfig)["intra_node"]
+
+
+def known_keys(key: str) -> str:
+    """``allowed keys of model: name, dim, ...`` for the parent of a dotted key."""
+    parent = key.rsplit(".", 1)[0] if "." in key else ""
+    found = schema_type(parent) if parent else (Config, False)
+    t = found[0] if found else None
+    if not dataclasses.is_dataclass(t):
+        return "see docs/config.md"
+    where = parent or "the top level"
+    return f"allowed keys at {where}: " + ", ".join(f.name for f in dataclasses.fields(t))
+
+
+def allowed_text(key: str) -> str:
+    """``allowed true, false, null`` etc. for a schema key, from the dataclass types."""
+    found = schema_type(key)
+    if found is None:
+        return "unknown key; " + known_keys(key)
+    t, optional = found
+    names = {bool: "true, false", int: "an integer", float: "a number", str: "a string"}
+    if typing.get_origin(t) is list:
+        text = "a list"
+    elif typing.get_origin(t) is dict:
+        text = "a mapping {key: value}"
+    elif dataclasses.is_dataclass(t):
+        text = "a mapping with keys " + ", ".join(f.name for f in dataclasses.fields(t))
+    else:
+        text = names.get(t, "see docs/config.md")
+    return "allowed " + text + (", null" if optional else "")

@@ -1,0 +1,244 @@
+"""Validation and resolution of a composed config (:func:`resolve`).
+
+``mesh`` becomes a list of ints, ``mesh_names``, ``lazy_costs`` and
+``constraints.param_memory.high`` get their defaults, and every bad value raises
+:class:`~pipeline.config.schema.ConfigError` with a one-line message naming the key, the
+value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from pipeline.config.overrides import override_value
+from pipeline.config.schema import (
+    DEFAULT_MESH_NAMES,
+    MIP_BACKENDS,
+    SOLVER_NAMES,
+    Config,
+    ConfigError,
+    allowed_text,
+)
+from pipeline.costmodel.hardware import validate_hardware
+from pipeline.models.llama import validate_model_config
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _shown(value: Any) -> str:
+    """A value as a one-line message shows it (:func:`override_value`, ``quote="never"``)."""
+    return override_value(value, quote="never")
+
+
+_MESH_ALLOWED = "allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"
+
+
+def parse_mesh(value: Any) -> list[int]:
+    """Parse a mesh shape: ``"2,4,8"``, ``"2x4x8"``, ``"8"``, ``8`` or ``[2, 4, 8]``.
+
+    Raises:
+        ConfigError: ``mesh=<value>: allowed positive integers ...`` for anything else
+            (a zero or negative size, a non-integer, an empty mesh).
+    """
+    bad = ConfigError(f"mesh={_shown(value)}: {_MESH_ALLOWED}")
+    if isinstance(value, ListConfig):
+        value = list(value)
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, int):
+        parts: list[Any] = [value]
+    elif isinstance(value, str):
+        text = value.strip()
+        if text.startswith(("[", "(")) and text.endswith(("]", ")")):
+            text = text[1:-1]
+        parts = [p.strip() for p in re.split(r"[,xX]", text)] if text else []
+    elif isinstance(value, (list, tuple)):
+        parts = list(value)
+    else:
+        raise bad
+    dims = []
+    for p in parts:
+        if isinstance(p, bool):
+            raise bad
+        if isinstance(p, str) and re.fullmatch(r"\d+", p):
+            p = int(p)
+        if not isinstance(p, int) or p < 1:
+            raise bad
+        dims.append(p)
+    if not dims:
+        raise bad
+    return dims
+
+
+def mesh_label(mesh: Sequence[int]) -> str:
+    """``[2, 4, 8]`` -> ``"2x4x8"``."""
+    return "x".join(str(int(d)) for d in mesh)
+
+
+def default_mesh_names(rank: int) -> list[str]:
+    """Default dim names: 1 -> dp; 2 -> dp, tp; 3 -> dp, cp, tp.
+
+    Raises:
+        ConfigError: for other ranks, which need explicit ``mesh_names``.
+    """
+    if rank not in DEFAULT_MESH_NAMES:
+        example = ",".join(f"d{i}" for i in range(rank))
+        raise ConfigError(
+            f"mesh_names=null: a {rank}-d mesh has no default dim names (defaults exist "
+            f"for 1-3 dims); allowed a list of {rank} unique names, e.g. mesh_names=[{example}]")
+    return list(DEFAULT_MESH_NAMES[rank])
+
+
+def _check_mesh_names(names: Any, mesh: list[int]) -> list[str]:
+    shown = f"mesh_names={_shown(names)}"
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",")]
+    if not isinstance(names, (list, tuple, ListConfig)):
+        raise ConfigError(f"{shown}: allowed a list of {len(mesh)} unique names or null")
+    names = list(names)
+    if len(names) != len(mesh):
+        raise ConfigError(f"{shown}: need {len(mesh)} names, one per dim of mesh "
+                          f"{mesh_label(mesh)}")
+    for n in names:
+        if not isinstance(n, str) or not _IDENT_RE.match(n):
+            raise ConfigError(f"{shown}: names must be identifiers ([A-Za-z_][A-Za-z0-9_]*)")
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ConfigError(f"{shown}: names must be unique ({', '.join(dup)} repeated)")
+    return names
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v)
+
+
+def _check_solver(s: Any) -> None:
+    def need(ok: bool, key: str, allowed: str) -> None:
+        if not ok:
+            raise ConfigError(f"solver.{key}={_shown(s[key])}: {allowed}")
+
+    need(s.name in SOLVER_NAMES, "name", "allowed " + ", ".join(SOLVER_NAMES))
+    need(_is_int(s.max_iters) and s.max_iters >= 1, "max_iters", "allowed an integer >= 1")
+    need(_is_num(s.tol) and s.tol >= 0, "tol", "allowed a number >= 0")
+    need(_is_int(s.local_search_rounds) and s.local_search_rounds >= 0, "local_search_rounds",
+         "allowed an integer >= 0")
+    need(s.time_limit_s is None or (_is_num(s.time_limit_s) and s.time_limit_s > 0),
+         "time_limit_s", "allowed a number > 0 or null (no limit)")
+    need(s.backend in MIP_BACKENDS, "backend", "allowed " + ", ".join(MIP_BACKENDS))
+    need(_is_num(s.mip_gap) and 0 <= s.mip_gap < 1, "mip_gap", "allowed a number in [0, 1)")
+    need(_is_int(s.threads) and s.threads >= 1, "threads", "allowed an integer >= 1")
+
+
+def _check_placement(key: str, text: Any, rank: int, tuple_ok: bool) -> None:
+    """Parse a placement in compact notation; refuse Partial (never legal for pins)."""
+    from pipeline.placements import parse_output, parse_placements
+
+    shown = f"{key}={_shown(text)}"
+    try:
+        groups = parse_output(text, rank) if tuple_ok else [parse_placements(text, rank)]
+    except ValueError as err:
+        raise ConfigError(f"{shown}: {err}") from None
+    for group in groups:
+        if group is not None and any(p.is_partial() for p in group):
+            raise ConfigError(f"{shown}: Partial (P...) is not allowed in a constraint; "
+                              f"allowed R, S(d), SS(d,k), one token per mesh dim")
+
+
+def _check_constraints(c: Any, mesh: list[int]) -> None:
+    rank = len(mesh)
+    for key in ("inputs", "outputs"):
+        if c[key] is not None:
+            _check_placement(f"constraints.{key}", c[key], rank, tuple_ok=key == "outputs")
+    for i, node in enumerate(c.nodes):
+        if not isinstance(node.match, str) or not node.match.strip():
+            raise ConfigError(f"constraints.nodes.{i}.match={_shown(node.match)}: allowed a "
+                              "non-empty pattern of node names")
+        _check_placement(f"constraints.nodes.{i}.placement", node.placement, rank,
+                         tuple_ok=True)
+    pm = c.param_memory
+    if pm is not None:
+        if not (_is_num(pm.low) and 0 <= pm.low <= 1):
+            raise ConfigError(f"constraints.param_memory.low={_shown(pm.low)}: allowed a "
+                              "fraction in [0, 1]")
+        if pm.high is not None and not (_is_num(pm.high) and 0 < pm.high <= 1
+                                        and pm.high >= pm.low):
+            raise ConfigError(f"constraints.param_memory.high={_shown(pm.high)}: allowed a "
+                              f"fraction in (0, 1] and >= low={_shown(pm.low)}, or null "
+                              "(1/mesh size)")
+
+
+def resolve(cfg: DictConfig) -> DictConfig:
+    """Validate a composed config and fill in everything ``null`` means.
+
+    * ``mesh`` -> list of ints; ``mesh_names`` -> default names by rank if ``null``;
+    * ``lazy_costs: null`` -> ``true`` for approx, ``false`` for ilp/lp;
+    * ``constraints.param_memory.high: null`` -> ``1 / prod(mesh)``.
+
+    Idempotent: resolving a resolved config returns an equal config.
+
+    Args:
+        cfg: a config from :func:`load_config` (not modified).
+
+    Returns:
+        A new resolved config (struct mode, interpolations resolved).
+
+    Raises:
+        ConfigError: one line naming the key, the value and what is allowed, for a bad
+            mesh or mesh_names (size < 1, wrong count, duplicated names, rank > 3 without
+            names), ``lazy_costs=true`` with ilp/lp, a bad model (via
+            ``validate_model_config``), hardware (``validate_hardware``), solver or
+            constraint value, or an empty ``results_dir``.
+    """
+    try:
+        out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        out = OmegaConf.merge(OmegaConf.structured(Config), out)
+    except Exception as err:  # noqa: BLE001 - an interpolation or type error: one line
+        raise ConfigError(str(err).strip().splitlines()[0]) from None
+    missing = sorted(re.sub(r"\[(\d+)\]", r".\1", k) for k in OmegaConf.missing_keys(out))
+    if missing:
+        raise ConfigError(f"{missing[0]}: missing value; {allowed_text(missing[0])}")
+    mesh = parse_mesh(out.mesh)
+    names = (default_mesh_names(len(mesh)) if out.mesh_names is None
+             else _check_mesh_names(out.mesh_names, mesh))
+    name_ok = isinstance(out.model.name, str) and _NAME_RE.match(out.model.name)
+    if not name_ok:
+        raise ConfigError(f"model.name={_shown(out.model.name)}: allowed letters, digits, "
+                          "'.', '_', '-' (used in result paths)")
+    try:
+        validate_model_config(out.model)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not (isinstance(out.hardware.name, str) and _NAME_RE.match(out.hardware.name)):
+        raise ConfigError(f"hardware.name={_shown(out.hardware.name)}: allowed letters, "
+                          "digits, '.', '_', '-' (used in result paths)")
+    try:
+        validate_hardware(out.hardware)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    _check_solver(out.solver)
+    lazy = out.lazy_costs
+    if lazy is None:
+        lazy = out.solver.name == "approx"
+    elif lazy and out.solver.name != "approx":
+        raise ConfigError(f"lazy_costs=true: lazy costs need solver=approx "
+                          f"(got solver={out.solver.name})")
+    _check_constraints(out.constraints, mesh)
+    if not isinstance(out.results_dir, str) or not out.results_dir.strip():
+        raise ConfigError(f"results_dir={_shown(out.results_dir)}: allowed a non-empty path")
+    out.mesh = mesh
+    out.mesh_names = names
+    out.lazy_costs = bool(lazy)
+    if out.constraints.param_memory is not None and out.constraints.param_memory.high is None:
+        out.constraints.param_memory.high = 1.0 / math.prod(mesh)
+    OmegaConf.set_struct(out, True)
+    return out

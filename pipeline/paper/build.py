@@ -1,0 +1,111 @@
+"""Building the paper: every artifact of an experiment from the runs table
+(:func:`build_paper`), after making the missing runs (:func:`make_paper`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.paper.experiment import (
+    ARTIFACTS,
+    PROVENANCE_FILE,
+    RUN_SETS,
+    Experiment,
+    ensure_runs,
+    load_experiment,
+    refresh_report,
+)
+from pipeline.paper.figures import plot_depth, plot_peak_rss, plot_phases, plot_solvers
+from pipeline.paper.provenance import (
+    describe_runs,
+    file_sha256,
+    provenance,
+    sidecar_path,
+    write_sidecar,
+)
+from pipeline.paper.tables import (
+    RSS_NOTE,
+    eager_vs_lazy_table,
+    read_runs,
+    row_config,
+    select_runs,
+    table_markdown,
+)
+
+log = logging.getLogger("pipeline.paper")
+
+def build_paper(runs: Any, exp: Experiment, runs_path: Path | None = None) -> list[Path]:
+    """Write every artifact of ``exp`` from the runs table ``runs``; return the paths.
+
+    Raises:
+        PaperError: a run of the experiment is not in ``runs``, or the eager-vs-lazy set
+            lacks the eager or lazy run at ``table_mesh``.
+    """
+    from pipeline import runtime
+
+    out = exp.out_dir
+    source = {"runs_parquet": str(runs_path) if runs_path else None,
+              "runs_parquet_sha256": file_sha256(runs_path) if runs_path else None,
+              "overrides": list(exp.overrides)}
+    sel = {name: select_runs(runs, [r.key for r in exp.sets[name]], f"run set {name}")
+           for name in RUN_SETS}
+    out.mkdir(parents=True, exist_ok=True)  # only once every run is there
+    written: list[Path] = []
+    provs: dict[str, dict[str, Any]] = {}
+
+    # eager-vs-lazy table
+    evl = sel["eager_vs_lazy"]
+    at_mesh = evl[evl["mesh"] == exp.table_mesh].reset_index(drop=True)
+    table = eager_vs_lazy_table(at_mesh)
+    prov = provenance(at_mesh, "eager_vs_lazy", exp.name, source)
+    provs["eager_vs_lazy"] = prov
+    md_path, pq_path = (out / f for f in ARTIFACTS["eager_vs_lazy"])
+    import pyarrow as pa
+
+    runtime.write_parquet(pq_path, pa.Table.from_pandas(table, preserve_index=False),
+                          metadata=prov)
+    mesh_names = row_config(at_mesh.iloc[0]).get("mesh_names") or []
+    title = (f"Eager vs lazy costs, mesh {exp.table_mesh}"
+             + (f" ({','.join(mesh_names)})" if mesh_names else "") + ", solver "
+             + ", ".join(dict.fromkeys(at_mesh["solver"].tolist())))
+    footer = (f"<sub>Peak RSS: {RSS_NOTE}. Δ %: percent of eager."
+              "</sub>\n\n<sub>" + describe_runs(at_mesh).replace("\n", "; ")
+              + f"; config hashes {', '.join(str(h) for h in prov['config_hashes'])}"
+              + f"; provenance: {sidecar_path(md_path).name}</sub>")
+    with runtime.atomic_path(md_path) as tmp:
+        tmp.write_text(table_markdown(table, title, footer))
+    write_sidecar(md_path, prov)
+    written += [md_path, pq_path]
+
+    figures = (("fig_phases", plot_phases, evl), ("fig_peak_rss", plot_peak_rss, evl),
+               ("fig_depth", plot_depth, sel["depth"]),
+               ("fig_solvers", plot_solvers, sel["solvers"]))
+    for name, plot, rows in figures:
+        prov = provenance(rows, name, exp.name, source)
+        provs[name] = prov
+        path = out / ARTIFACTS[name][0]
+        plot(rows, path, prov)
+        written.append(path)
+
+    every = select_runs(runs, [r.key for r in exp.runs()], "experiment")
+    summary = provenance(every, "paper", exp.name, source)
+    summary["artifacts"] = {name: list(ARTIFACTS[name]) for name in ARTIFACTS}
+    summary["table_mesh"] = exp.table_mesh
+    summary["run_sets"] = {name: [r.key for r in exp.sets[name]] for name in RUN_SETS}
+    runtime.write_json(out / PROVENANCE_FILE, summary)
+    written.append(out / PROVENANCE_FILE)
+    log.info("paper: %d artifacts from %d runs -> %s", len(ARTIFACTS), len(every), out)
+    return written
+
+
+def make_paper(overrides: Sequence[str] = (), run_missing: bool = True) -> list[Path]:
+    """Load the experiment, run what is missing (unless ``run_missing=False``), refresh
+    the report and build every artifact from ``runs.parquet``."""
+    exp = load_experiment(overrides)
+    if run_missing:
+        ensure_runs(exp)
+    runs_path = refresh_report(exp)
+    return build_paper(read_runs(runs_path), exp, runs_path)

@@ -1,0 +1,158 @@
+"""The runs table (``runs.parquet``: :func:`read_runs`, :func:`select_runs`) and the
+eager-vs-lazy table built from it (:func:`eager_vs_lazy_table`, :func:`table_markdown`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.paper.experiment import PaperError, run_key
+
+#: Phases of a search, in order (the phase names of :data:`pipeline.cli.PHASES`).
+SEARCH_PHASES: tuple[str, ...] = ("trace", "topology", "cost_build", "factor_build", "solve")
+
+#: Columns of the eager-vs-lazy table: (Parquet column, Markdown header, unit, source).
+TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("optimizer_init_s", "Optimizer init", "s"),
+    ("factor_build_s", "Factor build", "s"),
+    ("trws_solve_s", "TRW-S solve", "s"),
+    ("search_total_s", "Search total", "s"),
+    ("peak_rss_mib", "Peak RSS", "MiB"),
+)
+
+MIB = 2**20
+
+#: What the Peak RSS numbers are (the run record's ``peak_rss_bytes.max``).
+RSS_NOTE = ("peak RSS of the process that wrote the run record "
+            "(under Snakemake: the solve stage alone)")
+
+
+# --------------------------------------------------------------------------- the runs table
+
+
+def read_runs(path: str | Path) -> Any:
+    """``runs.parquet`` as a pandas DataFrame with a ``run_key`` column."""
+    import pandas as pd
+
+    df = pd.read_parquet(path)
+    if df.empty:
+        return df.assign(run_key=pd.Series(dtype=str))
+    return df.assign(run_key=[run_key(d) for d in df["solve_dir"]])
+
+
+def select_runs(runs: Any, keys: Sequence[str], what: str) -> Any:
+    """The rows of ``runs`` for ``keys`` (in that order).
+
+    Raises:
+        PaperError: a key has no row (the run is not in runs.parquet).
+    """
+    by_key = {k: i for i, k in enumerate(runs["run_key"])} if len(runs) else {}
+    absent = [k for k in keys if k not in by_key]
+    if absent:
+        raise PaperError(f"{what}: {len(absent)} run(s) not in runs.parquet, e.g. "
+                         f"runs/{absent[0]}; run them first (python -m pipeline.paper "
+                         "without --no-run, or snakemake paper)")
+    keys = list(dict.fromkeys(keys))
+    return runs.iloc[[by_key[k] for k in keys]].reset_index(drop=True)
+
+
+def row_config(row: Any) -> dict[str, Any]:
+    """The resolved config of a runs-table row (its ``config_json``); ``{}`` without one."""
+    text = row.get("config_json") if hasattr(row, "get") else None
+    return json.loads(text) if isinstance(text, str) and text else {}
+
+
+def row_float(row: Any, col: str) -> float:
+    """A column of a runs-table row as a float; NaN when absent or not a number."""
+    value = row.get(col)
+    if value is None:
+        return float("nan")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def mesh_order(mesh: str) -> tuple[int, int, str]:
+    """Sort key of a mesh label (``2x4``): device count, then rank, then the label."""
+    dims = [int(d) for d in str(mesh).split("x")]
+    return (math.prod(dims), len(dims), str(mesh))
+
+
+# --------------------------------------------------------------------------- eager vs lazy
+
+
+def eager_vs_lazy_table(runs: Any) -> Any:
+    """The eager-vs-lazy table from exactly one eager and one lazy run.
+
+    Rows ``eager``, ``lazy``, ``delta`` (lazy - eager, seconds / MiB) and ``delta_pct``
+    (100 * (lazy - eager) / eager; NaN when the eager value is 0). Columns
+    :data:`TABLE_COLUMNS`: ``optimizer_init_s`` = phases.topology + phases.cost_build,
+    ``factor_build_s`` = phases.factor_build, ``trws_solve_s`` = phases.solve,
+    ``search_total_s`` = phases.search_total, ``peak_rss_mib`` = peak_rss_bytes.max / 2^20;
+    plus ``run_id`` of the eager and lazy rows.
+
+    Raises:
+        PaperError: not exactly one eager and one lazy run.
+    """
+    import pandas as pd
+
+    rows = {}
+    for mode in ("eager", "lazy"):
+        sel = runs[runs["cost_mode"] == mode]
+        if len(sel) != 1:
+            raise PaperError(f"eager-vs-lazy table: need one {mode} run, got {len(sel)}")
+        row = sel.iloc[0]
+        rows[mode] = {
+            "optimizer_init_s": (row_float(row, "phases.topology")
+                                 + row_float(row, "phases.cost_build")),
+            "factor_build_s": row_float(row, "phases.factor_build"),
+            "trws_solve_s": row_float(row, "phases.solve"),
+            "search_total_s": row_float(row, "phases.search_total"),
+            "peak_rss_mib": row_float(row, "peak_rss_bytes.max") / MIB,
+            "run_id": str(row.get("run_id")),
+        }
+    cols = [c for c, _, _ in TABLE_COLUMNS]
+    delta = {c: rows["lazy"][c] - rows["eager"][c] for c in cols}
+    pct = {c: (100.0 * delta[c] / rows["eager"][c] if rows["eager"][c] else float("nan"))
+           for c in cols}
+    table = pd.DataFrame([
+        {"mode": "eager", **rows["eager"]},
+        {"mode": "lazy", **rows["lazy"]},
+        {"mode": "delta", **delta, "run_id": None},
+        {"mode": "delta_pct", **pct, "run_id": None},
+    ], columns=["mode", *cols, "run_id"])
+    return table
+
+
+def _fmt_delta(value: float, pct: float, unit: str, digits: int) -> str:
+    sign = "+" if value > 0 else ("−" if value < 0 else "±")
+    text = f"{sign}{abs(value):.{digits}f} {unit}"
+    if math.isfinite(pct):
+        psign = "+" if pct > 0 else ("−" if pct < 0 else "±")
+        text += f" ({psign}{abs(pct):.1f} %)"
+    else:
+        text += " (n/a)"
+    return text
+
+
+def table_markdown(table: Any, title: str, footer: str) -> str:
+    """The table as GitHub Markdown: eager and lazy rows, then ``Δ lazy − eager`` with
+    seconds (MiB) and percent of eager."""
+    by_mode = {r["mode"]: r for r in table.to_dict("records")}
+    head = ["Mode"] + [f"{h} ({u})" for _, h, u in TABLE_COLUMNS]
+    lines = [f"**{title}**", "", "| " + " | ".join(head) + " |",
+             "| --- |" + " ---: |" * len(TABLE_COLUMNS)]
+    for mode in ("eager", "lazy"):
+        r = by_mode[mode]
+        cells = [f"{r[c]:.0f}" if u == "MiB" else f"{r[c]:.2f}" for c, _, u in TABLE_COLUMNS]
+        lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+    d, p = by_mode["delta"], by_mode["delta_pct"]
+    cells = [_fmt_delta(d[c], p[c], u, 0 if u == "MiB" else 2) for c, _, u in TABLE_COLUMNS]
+    lines.append("| Δ lazy − eager | " + " | ".join(cells) + " |")
+    lines += ["", footer, ""]
+    return "\n".join(lines)
