@@ -49,6 +49,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from pipeline.costmodel.hardware import HardwareConfig, validate_hardware
 from pipeline.models.llama import ModelConfig, validate_model_config
 from pipeline.runtime import PROJECT_ROOT
+from pipeline.solvers.options import BACKENDS as MIP_BACKENDS
 
 __all__ = [
     "CONF_DIR",
@@ -88,7 +89,6 @@ STAGES: tuple[str, ...] = ("trace", "topology", "costs", "solve", "report")
 GROUPS: tuple[str, ...] = ("model", "hardware", "solver", "experiment")
 
 SOLVER_NAMES: tuple[str, ...] = ("approx", "ilp", "lp")
-MIP_BACKENDS: tuple[str, ...] = ("highs", "cbc")
 DEFAULT_MESH_NAMES: dict[int, list[str]] = {1: ["dp"], 2: ["dp", "tp"], 3: ["dp", "cp", "tp"]}
 
 #: Source files (globs relative to the project root) whose content keys each stage's code.
@@ -96,7 +96,7 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
     "trace": ("pipeline/trace.py", "pipeline/models/*.py"),
     "topology": ("pipeline/topology.py", "pipeline/placements.py"),
     "costs": ("pipeline/costs.py", "pipeline/costmodel/*.py"),
-    "solve": ("pipeline/solve.py", "pipeline/solvers/*.py"),
+    "solve": ("pipeline/solve.py", "pipeline/solvers/**/*.py"),
     "report": ("pipeline/report.py",),
     "paper": ("pipeline/paper.py",),
 }

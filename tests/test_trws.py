@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+from pipeline.solvers import registry
 from pipeline.solvers.brute import brute_force, energy_tensor
 from pipeline.solvers.compiled import CompiledMRF, conditional_sweep, interleaved_order
 from pipeline.solvers.errors import InfeasibleError, NoFeasibleLabelingError
@@ -31,6 +32,7 @@ from pipeline.solvers.mrf import (
     row_holds,
     row_value,
 )
+from pipeline.solvers.options import LagrangianOptions, TrwsOptions
 from pipeline.solvers.result import SolverResult, is_certified, relative_gap
 from pipeline.solvers.status import HEURISTIC, OPTIMAL
 from pipeline.solvers.trws import solve_trws
@@ -584,6 +586,57 @@ def test_lagrangian_one_row_is_the_single_row_search():
     assert a.labels.tolist() == b.labels.tolist() and a.lower_bound == b.lower_bound
     assert a.extra["inner_solves"] == b.extra["inner_solves"] > 1
     assert a.extra["multipliers"] == [a.extra["multiplier"]]
+
+
+# ------------------------------------------------------------------ solver protocol
+
+
+def test_registry_dispatches_every_solver_with_one_protocol():
+    """Every registered solver is solve(mrf, options) -> SolverResult; on a small MRF
+    with one binding row, the exact ones agree with brute force and the Lagrangian
+    wrapper (registry.solve wraps approx because approx ignores rows) is feasible."""
+    mrf = loopy_mrf(6, 5, inf_frac=0.0, unary_inf_frac=0.0, rows=("upper",))
+    (row,) = mrf.linear_constraints
+    opt = optimum(mrf)
+    free = optimum(MRF(mrf.domain_sizes, mrf.unary, mrf.edges, mrf.factor, mrf.constant))
+    assert free < opt  # the row binds
+    assert set(registry.SOLVERS) == {"approx", "ilp", "lp", "brute_force", "lagrangian"}
+    for name in ("brute_force", "ilp"):
+        res = registry.get_solver(name).solve(mrf)
+        assert isinstance(res, SolverResult) and res.status == OPTIMAL
+        assert _close(res.objective, opt)
+    approx = registry.get_solver("approx")
+    assert not approx.honours_rows
+    assert _close(approx.solve(mrf).objective, free)  # rows ignored by TRW-S itself
+    wrapped = registry.solve("approx", mrf, TrwsOptions(max_iters=100))
+    assert row_holds(row, row_value(row, wrapped.labels))
+    assert opt - 1e-9 <= wrapped.objective and wrapped.lower_bound <= opt + 1e-9
+    direct = registry.get_solver("lagrangian").solve(
+        mrf, LagrangianOptions(inner=registry.bind("approx", TrwsOptions(max_iters=100))))
+    assert direct.labels.tolist() == wrapped.labels.tolist()
+    with pytest.raises(ValueError, match="allowed approx, ilp, lp, brute_force, lagrangian"):
+        registry.get_solver("gurobi")
+    with pytest.raises(ValueError, match="options.inner"):
+        registry.get_solver("lagrangian").solve(mrf)
+
+
+def test_options_from_the_solver_config():
+    """Options read their fields from any object shaped like pipeline.config.SolverConfig."""
+    from types import SimpleNamespace as SolverConfig
+
+    cfg = SolverConfig(name="approx", max_iters=7, tol=0.5, local_search_rounds=3,
+                       time_limit_s=9.0, backend="cbc", mip_gap=0.25, threads=2, prune=True)
+    trws = registry.get_solver("approx").options(cfg, label_bounds=True)
+    assert (trws.max_iters, trws.tol, trws.local_search_rounds, trws.time_limit_s,
+            trws.label_bounds) == (7, 0.5, 3, 9.0, True)
+    ilp = registry.get_solver("ilp").options(cfg, mps_path="m.mps")
+    assert (ilp.backend, ilp.mip_gap, ilp.threads, ilp.time_limit_s, ilp.mps_path) == (
+        "cbc", 0.25, 2, 9.0, "m.mps")
+    lp = registry.get_solver("lp").options(cfg)
+    assert (lp.backend, lp.threads, lp.accept_fractional) == ("cbc", 2, False)
+    with pytest.raises(ValueError, match="unknown ILP backend 'gurobi'"):
+        registry.get_solver("ilp").options(SolverConfig(backend="gurobi", time_limit_s=None,
+                                                        mip_gap=0.0, threads=1))
 
 
 # ------------------------------------------------------------------ benchmark (opt-in)
