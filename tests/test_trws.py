@@ -586,6 +586,10 @@ def test_lagrangian_one_row_is_the_single_row_search():
     assert a.labels.tolist() == b.labels.tolist() and a.lower_bound == b.lower_bound
     assert a.extra["inner_solves"] == b.extra["inner_solves"] > 1
     assert a.extra["multipliers"] == [a.extra["multiplier"]]
+    # no row: one inner solve, nothing priced
+    none = solve_with_rows(mrf, [], lambda m: solve_trws(m, max_iters=100))
+    assert none.labels.tolist() == solve_trws(mrf, max_iters=100).labels.tolist()
+    assert none.extra["inner_solves"] == 1 and none.extra["multipliers"] == []
 
 
 # ------------------------------------------------------------------ solver protocol

@@ -178,6 +178,9 @@ def solve_with_rows(mrf: MRF, rows: Sequence[LinearConstraint], solve: InnerSolv
     """
     rows = list(rows)
     base = replace(mrf, linear_constraints=[])
+    if not rows:
+        res = solve(base)
+        return _finish(mrf, res, res.lower_bound, [], [], [], 1, False, False, res.label_bounds)
     tight = False
     for row in rows:
         base, row_tight = tighten(base, row)

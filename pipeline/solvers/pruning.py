@@ -1,6 +1,6 @@
 r"""Exact label pruning (reduced-cost fixing) from a dual reparametrisation.
 
-Used before the ILP / LP (pipeline/solvers/ilp.py): it removes labels that
+Used before the ILP / LP (pipeline/solvers/ilp/): it removes labels that
 provably belong to no labelling as good as a known one, so the integer program
 shrinks (llama1b on a 2x4x8 mesh: 5.5 M -> < 1 M class-pair variables) while
 its optimum stays the optimum of the problem as posed.

@@ -3,19 +3,18 @@
 Every solver is ``solve(mrf, options) -> SolverResult`` (pipeline/solvers/result.py)
 with ``options`` a frozen dataclass of pipeline/solvers/options.py:
 
-=============== ==================================================== ============== ====
-name            what                                                 options        rows
-=============== ==================================================== ============== ====
-``approx``      TRW-S then local search (pipeline/solvers/trws.py)   TrwsOptions    no
-``ilp``         exact integer program (pipeline/solvers/ilp/)        IlpOptions     yes
-``lp``          its LP relaxation, a result only when integral       LpOptions      yes
-``brute_force`` enumeration, the test oracle (pipeline/solvers/brute) BruteForce...  yes
-``lagrangian``  a row-less solver subject to any number of rows      Lagrangian...  yes
-=============== ==================================================== ============== ====
+* ``approx``: TRW-S then local search (trws.py); ``TrwsOptions``; ignores rows.
+* ``ilp``: the exact integer program (ilp/); ``IlpOptions``; rows are program rows.
+* ``lp``: its LP relaxation, a labelling only when integral (else an error, or a
+  bound-only result with ``accept_fractional``); ``LpOptions``; rows too.
+* ``brute_force``: enumeration, the test oracle (brute.py); ``BruteForceOptions``;
+  honours rows.
+* ``lagrangian``: a row-ignoring solver subject to any number of rows
+  (lagrangian.py); ``LagrangianOptions`` (``inner``: that solver, e.g. from
+  :func:`bind`).
 
-"rows": whether the solver honours ``MRF.linear_constraints`` itself; the others
-ignore them and are wrapped in ``lagrangian`` when an MRF has rows
-(:func:`solve` does this).
+A solver that ignores ``MRF.linear_constraints`` (``Solver.honours_rows`` False)
+is wrapped in ``lagrangian`` when an MRF has rows; :func:`solve` does this.
 
 Adding a solver: write ``solve(mrf, options)`` and its options dataclass (with
 ``from_config``), and add one :class:`Solver` entry to :data:`SOLVERS`.
