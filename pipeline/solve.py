@@ -138,35 +138,32 @@ def _lazy_factor_progress(mrf: Any, factor_provider: Any) -> Iterator[Any]:
         yield dataclasses.replace(mrf, factor=factor)
 
 
-def _trws(cfg: Any, mrf: Any, *, label_bounds: bool = False, fp: Any = None) -> Any:
-    """TRW-S with the configured options; a parameter-memory row goes through
-    Lagrangian relaxation (pipeline/solvers/lagrangian.py). ``fp``: the lazy factor
-    provider behind ``mrf`` (for its progress bar), else None."""
-    from pipeline.solvers.trws import solve_trws
+def _approx(cfg: Any, mrf: Any, *, label_bounds: bool = False, fp: Any = None) -> Any:
+    """TRW-S + local search (registry ``approx``) with the configured options; linear
+    rows go through the Lagrangian wrapper (registry ``lagrangian``). ``fp``: the lazy
+    factor provider behind ``mrf`` (for its progress bar), else None."""
+    from pipeline.solvers.registry import get_solver
 
-    s = cfg.solver
+    approx = get_solver("approx")
+    options = approx.options(cfg.solver, label_bounds=label_bounds)
 
-    def trws(m: Any) -> Any:
-        with progress.BoundProgress(int(s.max_iters)) as bound_bar:
-            return solve_trws(m, max_iters=int(s.max_iters), tol=float(s.tol),
-                              local_search_rounds=int(s.local_search_rounds),
-                              time_limit_s=s.time_limit_s, progress=bound_bar,
-                              label_bounds=label_bounds)
+    def inner(m: Any) -> Any:
+        with progress.BoundProgress(options.max_iters) as bound_bar:
+            return approx.solve(m, dataclasses.replace(options, progress=bound_bar))
 
-    if mrf.linear_constraints:
-        from pipeline.solvers.lagrangian import solve_with_row
+    if approx.honours_rows or not mrf.linear_constraints:
+        with _lazy_factor_progress(mrf, fp) as m:
+            return inner(m)
+    lagrangian = get_solver("lagrangian")
+    with progress.CallbackBar("solve: Lagrangian", unit="solve", delay=0) as row_bar:
+        def row_progress(solves: int, lam: float, value: float, ok: bool) -> None:
+            if solves >= 2:  # a multiplier search: the first solve was infeasible
+                row_bar.update_to(solves, f"lambda={lam:.3g} row={value:.4g} "
+                                          f"{'feasible' if ok else 'infeasible'}")
 
-        (row,) = mrf.linear_constraints
-        with progress.CallbackBar("solve: Lagrangian", unit="solve", delay=0) as row_bar:
-            def row_progress(solves: int, lam: float, value: float, ok: bool) -> None:
-                if solves >= 2:  # a multiplier search: the first solve was infeasible
-                    row_bar.update_to(solves, f"lambda={lam:.3g} row={value:.4g} "
-                                              f"{'feasible' if ok else 'infeasible'}")
-
-            with _lazy_factor_progress(mrf, fp) as m:
-                return solve_with_row(m, row, trws, progress=row_progress)
-    with _lazy_factor_progress(mrf, fp) as m:
-        return trws(m)
+        with _lazy_factor_progress(mrf, fp) as m:
+            return lagrangian.solve(m, lagrangian.options(cfg.solver, inner=inner,
+                                                          progress=row_progress))
 
 
 def _pruned(mrf: Any, result: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -189,33 +186,33 @@ def _pruned(mrf: Any, result: Any) -> tuple[Any, dict[str, Any] | None]:
 
 def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
            ) -> tuple[Any, dict[str, Any] | None]:
-    """Run the configured solver; returns ``(result, presolve record or None)``.
+    """Run the configured solver (pipeline/solvers/registry.py); returns ``(result,
+    presolve record or None)``.
 
     approx: TRW-S (side rows by Lagrangian relaxation). ilp/lp: side rows are rows
     of the program; with ``solver.prune`` TRW-S runs first and its dual bounds
     remove labels that are in no optimal plan before the program is built.
     ``fp``: the lazy factor provider behind ``mrf`` (progress bar), else None.
     """
-    s = cfg.solver
-    if s.name == "approx":
-        return _trws(cfg, mrf, label_bounds=bool(cfg.optimality_check and s.prune), fp=fp), None
-    from pipeline.solvers.ilp import solve_ilp
+    from pipeline.solvers.registry import get_solver
 
+    s = cfg.solver
+    solver = get_solver(str(s.name))
+    if not solver.exact:  # approx: no presolve
+        return _approx(cfg, mrf, label_bounds=bool(cfg.optimality_check and s.prune), fp=fp), None
     presolve = None
     if bool(s.prune):
         from pipeline.solvers.errors import NoFeasibleLabelingError
 
         start = time.perf_counter()
         try:
-            first = _trws(cfg, mrf, label_bounds=True)
+            first = _approx(cfg, mrf, label_bounds=True)
         except NoFeasibleLabelingError:
             first = None  # TRW-S found no plan: nothing to prune against
         mrf, presolve = _pruned(mrf, first)
         if presolve is not None:
             presolve["seconds"] = time.perf_counter() - start
-    result = solve_ilp(mrf, backend=str(s.backend), relax=s.name == "lp",
-                       time_limit_s=s.time_limit_s, mip_gap=float(s.mip_gap),
-                       threads=int(s.threads), mps_path=out_dir / "model.mps")
+    result = solver.solve(mrf, solver.options(s, mps_path=out_dir / "model.mps"))
     return result, presolve
 
 
@@ -266,7 +263,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
             lp_mrf = mrf
             if cfg.solver.name == "approx" and bool(cfg.solver.prune):
                 lp_mrf, presolve = _pruned(mrf, result)
-            lp_bound = lp_lower_bound(lp_mrf, backend=str(cfg.solver.backend))
+            lp_bound = lp_lower_bound(lp_mrf, backend=str(cfg.solver.backend)).lower_bound
 
     upstream = _upstream_records(dirs, topology, costs)
     with timer.phase("report"):
@@ -295,6 +292,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
             ) -> tuple[dict[str, Any], pa.Table, pa.Table]:
     from pipeline.config import config_hash
     from pipeline.solvers.result import is_certified, relative_gap
+    from pipeline.solvers.status import HEURISTIC, OPTIMAL
 
     mrf, budget = costs.mrf, costs.budget
     groups = group_structure(topology)
@@ -314,7 +312,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
     certified = bool(is_certified(objective, bound))
     status = str(result.status)
     if cfg.solver.name == "approx":
-        status = "Optimal" if certified else "Heuristic"
+        status = OPTIMAL if certified else HEURISTIC
     run_id = config_hash({"dir": str(dirs.solve)})
     phases = dict(upstream)
     for k, v in timer.seconds.items():

@@ -6,7 +6,6 @@ solve times for a synthetic step-sized MRF and asserts nothing.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import time
@@ -16,12 +15,16 @@ import pytest
 
 from pipeline.solvers.errors import FractionalRelaxationError, InfeasibleError
 from pipeline.solvers.ilp import (
+    BACKENDS,
     build_model,
     lp_lower_bound,
     parse_cbc_log,
     solve_ilp,
 )
 from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor, eager_factors
+from pipeline.solvers.options import IlpOptions, LpOptions
+from pipeline.solvers.registry import get_solver
+from pipeline.solvers.result import relative_gap
 from pipeline.solvers.status import (
     FEASIBLE_TIME_LIMIT,
     INFEASIBLE,
@@ -31,83 +34,19 @@ from pipeline.solvers.status import (
     map_highs_status,
     map_pulp_status,
 )
+from tests.mrf_gen import loopy_mrf, optimum, step_sized_mrf
 
-BACKENDS = ("highs", "cbc")
+#: Seeds of the brute-force comparisons (40 instances: as many infeasible, binding-row
+#: and tied ones as the 24 of the former generator, or more).
+SEEDS = range(40)
 
 
 # ----------------------------------------------------------------------------- helpers
 
 
-def random_mrf(
-    seed: int,
-    num_groups: int = 5,
-    dom: tuple[int, int] = (2, 4),
-    max_cls: int = 3,
-    p_edge: float = 0.6,
-    p_inf: float = 0.1,
-    p_uinf: float = 0.1,
-    lincon: bool = False,
-    integer_costs: bool = True,
-) -> MRF:
-    """Small random MRF with loops, forbidden labels/pairs and shared classes.
-
-    Integer costs make ties (several optima) common; classes shared by several
-    labels make the factor tables smaller than the dense label matrices.
-    """
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(dom[0], dom[1] + 1, size=num_groups)
-
-    def cost(shape):
-        return rng.integers(0, 6, size=shape).astype(float) if integer_costs else rng.random(shape)
-
-    unary = []
-    for g in range(num_groups):
-        u = cost(sizes[g])
-        forbid = rng.random(sizes[g]) < p_uinf
-        forbid[rng.integers(sizes[g])] = False
-        u[forbid] = np.inf
-        unary.append(u)
-    edges, factors = [], []
-    for u in range(num_groups):
-        for v in range(u + 1, num_groups):
-            if rng.random() < p_edge:
-                r, c = rng.integers(1, max_cls + 1, size=2)
-                t = cost((r, c))
-                t[rng.random((r, c)) < p_inf] = np.inf
-                edges.append((u, v))
-                factors.append(
-                    PairwiseFactor(
-                        rng.integers(0, r, sizes[u]).astype(np.int32),
-                        rng.integers(0, c, sizes[v]).astype(np.int32),
-                        t,
-                    )
-                )
-    constraints = []
-    if lincon:
-        coef = {g: rng.integers(0, 4, size=sizes[g]).astype(float) for g in range(num_groups)}
-        high = float(sum(c.mean() for c in coef.values()))
-        constraints.append(LinearConstraint("mem", coef, -math.inf, high))
-    return MRF(
-        sizes.astype(np.int64),
-        unary,
-        np.asarray(edges, dtype=np.int64).reshape(-1, 2),
-        eager_factors(factors),
-        constant=2.5,
-        linear_constraints=constraints,
-    )
-
-
-def enumerate_min(mrf: MRF) -> float:
-    """Minimum of E over all labellings satisfying the linear constraints."""
-    best = math.inf
-    for lab in itertools.product(*[range(int(k)) for k in mrf.domain_sizes]):
-        lab = np.asarray(lab)
-        if all(
-            lc.low <= sum(float(c[lab[g]]) for g, c in lc.coef.items()) <= lc.high
-            for lc in mrf.linear_constraints
-        ):
-            best = min(best, mrf.evaluate(lab))
-    return best
+def _rows(lincon: bool) -> tuple[str, ...]:
+    """One upper row (a memory-like budget) or none."""
+    return ("upper",) if lincon else ()
 
 
 def chain_or_cycle(n: int, table: np.ndarray, unary: list[np.ndarray], cycle: bool) -> MRF:
@@ -123,46 +62,13 @@ def chain_or_cycle(n: int, table: np.ndarray, unary: list[np.ndarray], cycle: bo
     )
 
 
-def synthetic_mrf(
-    num_groups: int = 3000,
-    num_edges: int = 6000,
-    dom: tuple[int, int] = (100, 300),
-    cls: tuple[int, int] = (24, 36),
-    p_inf: float = 0.05,
-    seed: int = 0,
-) -> MRF:
-    """Step-sized random MRF: unaries 10..1000 µs, tables 0..500 µs (0 on the
-    diagonal = matching placements), ``p_inf`` forbidden pairs, a chain
-    backbone plus random extra edges."""
-    rng = np.random.default_rng(seed)
-    sizes = rng.integers(dom[0], dom[1] + 1, size=num_groups)
-    ncls = rng.integers(cls[0], cls[1] + 1, size=num_groups)
-    cls_of = [rng.integers(0, ncls[g], sizes[g]).astype(np.int32) for g in range(num_groups)]
-    unary = [rng.uniform(10.0, 1000.0, sizes[g]) for g in range(num_groups)]
-    pairs = {(g, g + 1) for g in range(num_groups - 1)}
-    while len(pairs) < num_edges:
-        u, v = sorted(rng.integers(0, num_groups, 2).tolist())
-        if u != v:
-            pairs.add((u, v))
-    edges = np.array(sorted(pairs), dtype=np.int64)
-    factors = []
-    for u, v in edges:
-        r, c = ncls[u], ncls[v]
-        t = rng.uniform(0.0, 500.0, (r, c))
-        t[rng.random((r, c)) < p_inf] = np.inf
-        d = min(r, c)
-        t[np.arange(d), np.arange(d)] = 0.0
-        factors.append(PairwiseFactor(cls_of[u], cls_of[v], t))
-    return MRF(sizes.astype(np.int64), unary, edges, eager_factors(factors))
-
-
 # ----------------------------------------------------------------- exactness vs brute force
 
 
-@pytest.mark.parametrize("seed", range(24))
+@pytest.mark.parametrize("seed", SEEDS)
 def test_ilp_equals_brute_force(seed):
-    mrf = random_mrf(seed, lincon=seed % 2 == 0)
-    best = enumerate_min(mrf)
+    mrf = loopy_mrf(seed, rows=_rows(seed % 2 == 0))
+    best = optimum(mrf)
     if not math.isfinite(best):
         with pytest.raises(InfeasibleError):
             solve_ilp(mrf)
@@ -187,27 +93,27 @@ def test_ilp_equals_brute_force(seed):
 def test_random_instances_cover_the_interesting_cases():
     """The seeds above include infeasible ones, binding constraints and ties."""
     infeasible = binding = 0
-    for seed in range(24):
-        mrf = random_mrf(seed, lincon=seed % 2 == 0)
-        best = enumerate_min(mrf)
+    for seed in SEEDS:
+        mrf = loopy_mrf(seed, rows=_rows(seed % 2 == 0))
+        best = optimum(mrf)
         infeasible += not math.isfinite(best)
         if mrf.linear_constraints and math.isfinite(best):
             free = MRF(mrf.domain_sizes, mrf.unary, mrf.edges, mrf.factor, mrf.constant)
-            binding += enumerate_min(free) < best
+            binding += optimum(free) < best
     assert infeasible >= 1 and binding >= 1
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(16))
 def test_cbc_and_highs_agree_and_lp_bounds_ilp(seed):
-    mrf = random_mrf(seed + 100, num_groups=6, p_inf=0.05, lincon=seed % 3 == 0)
+    mrf = loopy_mrf(seed + 100, 6, inf_frac=0.05, rows=_rows(seed % 3 == 0))
     try:
         res = {b: solve_ilp(mrf, backend=b) for b in BACKENDS}
     except InfeasibleError:
-        assert not math.isfinite(enumerate_min(mrf))
+        assert not math.isfinite(optimum(mrf))
         return
     assert res["highs"].objective == pytest.approx(res["cbc"].objective, abs=1e-9)
     assert res["cbc"].status == OPTIMAL and res["cbc"].extra["pulp_status"] == (1, 1)
-    lps = [lp_lower_bound(mrf, b) for b in BACKENDS]
+    lps = [lp_lower_bound(mrf, b).lower_bound for b in BACKENDS]
     assert lps[0] == pytest.approx(lps[1], abs=1e-6)
     assert max(lps) <= res["highs"].objective + 1e-6
 
@@ -257,13 +163,32 @@ def test_infeasible_cases_raise():
 
 
 def test_bad_input_raises_value_error():
-    mrf = random_mrf(3)
+    mrf = loopy_mrf(3)
     with pytest.raises(ValueError):
         solve_ilp(mrf, backend="gurobi")
     mrf.unary[0] = mrf.unary[0].copy()
     mrf.unary[0][0] = np.nan
     with pytest.raises(ValueError):
         solve_ilp(mrf)
+
+
+def test_registry_ilp_and_lp_equal_solve_ilp():
+    """The protocol entries ``ilp`` and ``lp`` are solve_ilp with the same options."""
+    mrf = loopy_mrf(8, 6, rows=_rows(True))
+    for b in BACKENDS:
+        ref = solve_ilp(mrf, backend=b)
+        res = get_solver("ilp").solve(mrf, IlpOptions(backend=b))
+        assert res.objective == ref.objective and res.labels.tolist() == ref.labels.tolist()
+        assert res.status == OPTIMAL and res.extra["backend"] == b
+    tree = chain_or_cycle(4, np.array([[0.0, 2.0], [1.0, 0.0]]),
+                          [np.array([0.0, 1.0]), np.array([1.0, 0.0])] * 2, cycle=False)
+    lp = get_solver("lp").solve(tree, LpOptions())
+    assert lp.lower_bound_source == "lp" and lp.objective == optimum(tree)
+    cycle = chain_or_cycle(3, np.eye(2), [np.zeros(2)] * 3, cycle=True)
+    with pytest.raises(FractionalRelaxationError):
+        get_solver("lp").solve(cycle, LpOptions())
+    bound = get_solver("lp").solve(cycle, LpOptions(accept_fractional=True))
+    assert bound.lower_bound == pytest.approx(0.0, abs=1e-9) and bound.objective == math.inf
 
 
 # ----------------------------------------------------------------------- LP relaxation
@@ -279,7 +204,10 @@ def test_relax_refuses_frustrated_odd_cycle():
         msg = str(err.value)
         assert msg.startswith("LP relaxation is fractional (max distance to integral = 0.5")
         assert msg.endswith("; use solver=ilp") and "\n" not in msg
-        assert lp_lower_bound(mrf, b) == pytest.approx(0.0, abs=1e-9)
+        lp = lp_lower_bound(mrf, b)
+        assert lp.lower_bound == pytest.approx(0.0, abs=1e-9)
+        assert lp.status == OPTIMAL and lp.objective == math.inf  # fractional: no labels
+        assert (lp.labels == -1).all()
         assert solve_ilp(mrf, backend=b).objective == 1.0
 
 
@@ -288,13 +216,17 @@ def test_relax_accepts_tree():
     table = rng.random((3, 3))
     table[0, 2] = np.inf
     mrf = chain_or_cycle(6, table, [rng.random(3) for _ in range(6)], cycle=False)
-    exact = enumerate_min(mrf)
+    exact = optimum(mrf)
     for b in BACKENDS:
         res = solve_ilp(mrf, backend=b, relax=True)
         assert res.status == OPTIMAL and res.lower_bound_source == "lp"
         assert res.objective == pytest.approx(exact, abs=1e-9)
         assert res.lower_bound == pytest.approx(exact, abs=1e-7)
         assert res.extra["max_fractionality"] <= 1e-6
+        lp = lp_lower_bound(mrf, b)  # an integral LP: the bound result carries the labels
+        assert lp.status == OPTIMAL and lp.labels.tolist() == res.labels.tolist()
+        assert lp.lower_bound == pytest.approx(exact, abs=1e-7)
+        assert lp.objective == pytest.approx(exact, abs=1e-9)
 
 
 # -------------------------------------------------------------------------------- MPS
@@ -305,10 +237,10 @@ def test_relax_accepts_tree():
 def test_mps_resolve_gives_same_objective(tmp_path, relax, backend):
     import highspy
 
-    mrf = random_mrf(4, num_groups=6, p_inf=0.05, lincon=True, integer_costs=False)
+    mrf = loopy_mrf(4, 6, inf_frac=0.05, rows=_rows(True), integer_costs=False)
     path = tmp_path / "model.mps"
     if relax:
-        lp = lp_lower_bound(mrf)
+        lp = lp_lower_bound(mrf).lower_bound
         try:
             solve_ilp(mrf, backend=backend, relax=True, mps_path=path)
         except FractionalRelaxationError:
@@ -426,7 +358,7 @@ Total time (CPU seconds):       22.28   (Wallclock seconds):       45.27
 def test_time_limited_run_is_honest(backend):
     """A hard instance stopped after 1 s (here: incumbent, no proof; PuLP says
     status 1 = "Optimal" with sol_status 2 for CBC). Never "Optimal" unless proven."""
-    mrf = synthetic_mrf(60, 180, (10, 20), (5, 8), seed=3)
+    mrf = step_sized_mrf(60, 180, (10, 20), (5, 8), seed=3)
     res = solve_ilp(mrf, backend=backend, time_limit_s=1.0)
     assert res.status in (OPTIMAL, FEASIBLE_TIME_LIMIT, NOT_SOLVED)
     if res.status == FEASIBLE_TIME_LIMIT:
@@ -447,7 +379,7 @@ def test_time_limited_run_is_honest(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_benchmark(backend, tmp_path):
     t0 = time.perf_counter()
-    mrf = synthetic_mrf()
+    mrf = step_sized_mrf()
     gen = time.perf_counter() - t0
     res = solve_ilp(mrf, backend=backend, time_limit_s=120.0, mps_path=tmp_path / "b.mps")
     ex = res.extra
@@ -482,14 +414,15 @@ def test_dominated_labels_are_dropped_exactly():
     assert build_model(mrf_c).x_label[:3].tolist() == [1, 2, 3]
     for m in (mrf, mrf_c):
         for b in BACKENDS:
-            assert solve_ilp(m, backend=b).objective == enumerate_min(m)
+            assert solve_ilp(m, backend=b).objective == optimum(m)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(10))
 def test_dominance_keeps_ilp_and_only_raises_lp(seed):
-    from pipeline.solvers.ilp import _solve_model
+    from pipeline.solvers.ilp import solve_model as _solve_model
 
-    mrf = random_mrf(seed + 50, num_groups=6, dom=(3, 6), max_cls=2, p_inf=0.05, lincon=seed % 2)
+    mrf = loopy_mrf(seed + 50, 6, kmin=3, kmax=6, max_classes=2, inf_frac=0.05,
+                    rows=_rows(bool(seed % 2)))
     outs = []
     for dominance in (False, True):
         model = build_model(mrf, dominance=dominance)
@@ -507,7 +440,7 @@ def test_dominance_keeps_ilp_and_only_raises_lp(seed):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_positive_mip_gap_reports_the_dual_bound(backend):
     """ "Optimal (within gap tolerance)" must not claim bound == objective."""
-    mrf = synthetic_mrf(30, 90, (8, 14), (4, 7), seed=3)
+    mrf = step_sized_mrf(30, 90, (8, 14), (4, 7), seed=3)
     res = solve_ilp(mrf, backend=backend, mip_gap=0.2, time_limit_s=3.0)
     assert res.status in (OPTIMAL, FEASIBLE_TIME_LIMIT)
     assert res.lower_bound <= res.objective == mrf.evaluate(res.labels)
@@ -515,4 +448,7 @@ def test_positive_mip_gap_reports_the_dual_bound(backend):
         assert res.objective - res.lower_bound <= 0.2 * abs(res.objective) + 1e-6
     if backend == "cbc":  # CBC stops at the root here, "within gap tolerance"
         assert res.lower_bound < res.objective
-        assert res.lower_bound >= lp_lower_bound(mrf) - 1e-3  # cuts only raise it
+        # the reported gap has the denominator of relative_gap, like every other gap
+        assert res.extra["mip_gap"] == pytest.approx(
+            relative_gap(res.objective, res.lower_bound), rel=1e-9)
+        assert res.lower_bound >= lp_lower_bound(mrf).lower_bound - 1e-3  # cuts only raise it

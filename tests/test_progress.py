@@ -22,12 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mrf_gen import random_edges, random_mrf
 
 from pipeline import bench, progress
 from pipeline.solvers.lagrangian import row_value, solve_with_row
 from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor
 from pipeline.solvers.trws import solve_trws
+from tests.mrf_gen import random_edges, random_mrf
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,34 +6,15 @@ with and without a parameter-memory-like row; pruning never changes the optimum.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
 import pytest
 
-from pipeline.solvers.lagrangian import solve_with_row
+from pipeline.solvers.lagrangian import solve_with_row, solve_with_rows
 from pipeline.solvers.pruning import label_bounds, prune
 from pipeline.solvers.trws import solve_trws
-from tests.test_ilp import random_mrf
-
-
-def _feasible_energies(mrf):
-    """Every labelling satisfying the rows with its energy (brute force)."""
-    for lab in itertools.product(*[range(int(k)) for k in mrf.domain_sizes]):
-        lab = np.asarray(lab)
-        if all(lc.low <= sum(float(c[lab[g]]) for g, c in lc.coef.items()) <= lc.high
-               for lc in mrf.linear_constraints):
-            yield lab, mrf.evaluate(lab)
-
-
-def _min_marginals(mrf):
-    """Exact ``min {E(x) : x feasible, x_g = k}`` per group and label (inf if none)."""
-    mm = [np.full(int(k), math.inf) for k in mrf.domain_sizes]
-    for lab, e in _feasible_energies(mrf):
-        for g, k in enumerate(lab):
-            mm[g][k] = min(mm[g][k], e)
-    return mm
+from tests.mrf_gen import feasible_labellings, loopy_mrf, min_marginals
 
 
 def _assert_valid(bounds, mm):
@@ -43,32 +24,31 @@ def _assert_valid(bounds, mm):
         assert (b[finite] <= m[finite] + 1e-9).all(), (g, b, m)
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(48))
 def test_trws_label_bounds_are_valid(seed):
-    mrf = random_mrf(seed, num_groups=6, dom=(2, 4), integer_costs=seed % 2 == 0, p_inf=0.05,
-                     p_uinf=0.05)
-    mm = _min_marginals(mrf)
+    mrf = loopy_mrf(seed, 6, integer_costs=seed % 2 == 0, inf_frac=0.05, unary_inf_frac=0.05)
+    mm = min_marginals(mrf)
     if not any(np.isfinite(m).any() for m in mm):
         pytest.skip("infeasible instance")
     res = solve_trws(mrf, label_bounds=True)
     _assert_valid(res.label_bounds, mm)
     # the incumbent's own labels are never pruned, and neither is any optimum
-    opt = min(e for _, e in _feasible_energies(mrf))
+    opt = min(e for _, e in feasible_labellings(mrf))
     reduced, stats = prune(mrf, res.label_bounds, res.objective)
     assert stats.labels_after <= stats.labels_before
     assert all(math.isfinite(reduced.unary[g][k]) for g, k in enumerate(res.labels))
-    assert min(e for _, e in _feasible_energies(reduced)) == pytest.approx(opt, abs=1e-9)
-    for lab, e in _feasible_energies(mrf):
+    assert min(e for _, e in feasible_labellings(reduced)) == pytest.approx(opt, abs=1e-9)
+    for lab, e in feasible_labellings(mrf):
         if e <= opt + 1e-12:
             assert math.isfinite(reduced.evaluate(lab))
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(26))
 def test_bounds_hold_for_arbitrary_messages(seed):
     """Any finite (or +inf, taken as 0) vectors give an exact reparametrisation."""
     rng = np.random.default_rng(1000 + seed)
-    mrf = random_mrf(seed, num_groups=5, p_inf=0.05, p_uinf=0.05)
-    mm = _min_marginals(mrf)
+    mrf = loopy_mrf(seed, 5, inf_frac=0.05, unary_inf_frac=0.05)
+    mm = min_marginals(mrf)
     if not any(np.isfinite(m).any() for m in mm):
         pytest.skip("infeasible instance")
     facs = [mrf.factor(e) for e in range(mrf.num_edges)]
@@ -103,10 +83,10 @@ def test_bounds_are_tight_on_a_chain_at_convergence():
     assert stats.labels_after == 4
 
 
-@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("seed", range(32))
 def test_lagrangian_bounds_are_valid_for_feasible_labellings(seed):
-    mrf = random_mrf(seed, num_groups=5, lincon=True, p_inf=0.05, p_uinf=0.05)
-    mm = _min_marginals(mrf)
+    mrf = loopy_mrf(seed, 5, rows=("upper",), inf_frac=0.05, unary_inf_frac=0.05)
+    mm = min_marginals(mrf)
     if not any(np.isfinite(m).any() for m in mm):
         pytest.skip("infeasible instance")
     (row,) = mrf.linear_constraints
@@ -116,13 +96,30 @@ def test_lagrangian_bounds_are_valid_for_feasible_labellings(seed):
         assert "no labelling" in str(exc)
         return
     _assert_valid(res.label_bounds, mm)
-    opt = min(e for _, e in _feasible_energies(mrf))
+    opt = min(e for _, e in feasible_labellings(mrf))
     reduced, _ = prune(mrf, res.label_bounds, res.objective)
-    assert min(e for _, e in _feasible_energies(reduced)) == pytest.approx(opt, abs=1e-9)
+    assert min(e for _, e in feasible_labellings(reduced)) == pytest.approx(opt, abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_two_row_lagrangian_bounds_are_valid_for_feasible_labellings(seed):
+    """Label bounds of the multi-row search (several multipliers, each solve shifted by
+    its own offset) are valid for every labelling satisfying both rows."""
+    mrf = loopy_mrf(seed, 5, rows=("upper", "upper"), inf_frac=0.05, unary_inf_frac=0.05)
+    mm = min_marginals(mrf)
+    if not any(np.isfinite(m).any() for m in mm):
+        pytest.skip("infeasible instance")
+    res = solve_with_rows(mrf, mrf.linear_constraints,
+                          lambda m: solve_trws(m, label_bounds=True))
+    _assert_valid(res.label_bounds, mm)
+    opt = min(e for _, e in feasible_labellings(mrf))
+    assert res.lower_bound <= opt + 1e-9 <= res.objective + 2e-9
+    reduced, _ = prune(mrf, res.label_bounds, res.objective)
+    assert min(e for _, e in feasible_labellings(reduced)) == pytest.approx(opt, abs=1e-9)
 
 
 def test_prune_rejects_bad_input():
-    mrf = random_mrf(0)
+    mrf = loopy_mrf(0)
     with pytest.raises(ValueError, match="finite"):
         prune(mrf, [np.zeros(int(k)) for k in mrf.domain_sizes], math.inf)
     with pytest.raises(ValueError, match="bound vectors"):

@@ -6,7 +6,7 @@ Kolmogorov 2006) for the level-batched implementation, and hand-worked
 numbers for a 2-group example and a frustrated triangle.
 
 The benchmark at the end is opt-in (``TRWS_BENCH=1``): it prints timings for
-the ~3000-group synthetic instance and asserts nothing about speed.
+the ~3000-group step-sized instance (tests/mrf_gen.py) and asserts nothing about speed.
 """
 
 from __future__ import annotations
@@ -17,22 +17,35 @@ import time
 
 import numpy as np
 import pytest
-from mrf_gen import (
-    chain_edges,
-    graph_like_edges,
-    large_instance,
-    random_edges,
-    random_mrf,
-    tree_edges,
-)
 
-from pipeline.solvers.brute import brute_force
+from pipeline.solvers import registry
+from pipeline.solvers.brute import brute_force, energy_tensor
 from pipeline.solvers.compiled import CompiledMRF, conditional_sweep, interleaved_order
 from pipeline.solvers.errors import InfeasibleError, NoFeasibleLabelingError
+from pipeline.solvers.lagrangian import solve_with_row, solve_with_rows
 from pipeline.solvers.local_search import coordinate_descent
-from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor, eager_factors
-from pipeline.solvers.result import SolverResult, relative_gap
+from pipeline.solvers.mrf import (
+    MRF,
+    LinearConstraint,
+    PairwiseFactor,
+    eager_factors,
+    row_holds,
+    row_value,
+)
+from pipeline.solvers.options import LagrangianOptions, TrwsOptions
+from pipeline.solvers.result import SolverResult, is_certified, relative_gap
+from pipeline.solvers.status import HEURISTIC, OPTIMAL
 from pipeline.solvers.trws import solve_trws
+from tests.mrf_gen import (
+    chain_edges,
+    graph_like_edges,
+    loopy_mrf,
+    optimum,
+    random_edges,
+    random_mrf,
+    step_sized_mrf,
+    tree_edges,
+)
 
 RTOL = 1e-9
 
@@ -175,7 +188,8 @@ def test_two_groups_hand_worked():
     assert res.status == "Optimal"
     assert res.iterations == 1
     assert res.extra["stop_reason"] == "certified"
-    assert brute_force(mrf) == (pytest.approx([1, 0]), 2.5)
+    exact = brute_force(mrf)
+    assert exact.labels.tolist() == [1, 0] and exact.objective == 2.5
 
 
 def test_frustrated_triangle_is_heuristic():
@@ -204,7 +218,7 @@ def test_trees_match_brute_force(kind):
         n = int(rng.integers(1, 8))
         edges = chain_edges(n) if kind == "chain" else tree_edges(rng, n)
         mrf = random_mrf(rng, n, edges, inf_frac=0.25 if seed % 2 else 0.0, constant=seed)
-        _, opt = brute_force(mrf)
+        opt = brute_force(mrf).objective
         # TRW-S alone is exact on trees (and certifies it); the polish must not hurt.
         bare = solve_trws(mrf, local_search_rounds=0, order="index")
         assert _close(bare.objective, opt), (seed, bare.objective, opt)
@@ -222,7 +236,7 @@ def test_loopy_bound_valid_and_monotone():
         n = int(rng.integers(3, 8))
         m = int(rng.integers(n, n * (n - 1) // 2 + 1))
         mrf = random_mrf(rng, n, random_edges(rng, n, m), inf_frac=0.2 if seed % 3 == 0 else 0.0)
-        _, opt = brute_force(mrf)
+        opt = brute_force(mrf).objective
         order = "index" if seed % 2 else rng.permutation(n)
         res = solve_trws(mrf, max_iters=200, tol=0.0, order=order)
         tol = RTOL * max(1.0, abs(opt))
@@ -466,9 +480,31 @@ def test_coordinate_descent_rejects_bad_labels():
 def test_brute_force_matches_enumeration():
     rng = np.random.default_rng(1)
     mrf = random_mrf(rng, 4, random_edges(rng, 4, 5), inf_frac=0.2)
-    labels, energy = brute_force(mrf)
+    res = brute_force(mrf)
+    labels, energy = res.labels, res.objective
     best = min(mrf.evaluate(np.array(x)) for x in itertools.product(*map(range, mrf.domain_sizes)))
     assert energy == best == mrf.evaluate(labels)
+    assert isinstance(res, SolverResult) and res.status == "Optimal"
+    assert res.lower_bound == energy and res.lower_bound_source == "brute_force"
+
+
+def test_brute_force_honours_rows():
+    """Hand-worked: 2 groups of 3 labels, unaries [0, 1, 2] and [0, 2, 4], no edge.
+    Row 0: x0 + x1 >= 2 (labels as coefficients); row 1: 2 x0 + x1 <= 3.
+    Row 0 leaves (0, 2), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2); row 1 then
+    leaves (0, 2) with E = 4 and (1, 1) with E = 3: the optimum is (1, 1)."""
+    lab = np.arange(3, dtype=np.float64)
+    rows = [LinearConstraint("sum", {0: lab, 1: lab}, 2.0, np.inf),
+            LinearConstraint("weighted", {0: 2 * lab, 1: lab}, -np.inf, 3.0)]
+    mrf = _mrf([3, 3], [[0.0, 1.0, 2.0], [0.0, 2.0, 4.0]], [], [])
+    assert brute_force(mrf).labels.tolist() == [0, 0]  # no rows: the free minimum
+    mrf.linear_constraints = rows
+    res = brute_force(mrf)
+    assert res.labels.tolist() == [1, 1] and res.objective == 3.0
+    assert res.extra["feasible_labellings"] == 2
+    mrf.linear_constraints = rows + [LinearConstraint("none", {0: lab}, 5.0, np.inf)]
+    with pytest.raises(InfeasibleError, match="linear constraint"):
+        brute_force(mrf)
 
 
 def test_brute_force_refuses_large():
@@ -477,12 +513,142 @@ def test_brute_force_refuses_large():
         brute_force(mrf)
 
 
+# ------------------------------------------------------------------ Lagrangian (rows)
+
+
+def _dual_value(mrf: MRF, mult: list[float]) -> float:
+    """Exact Lagrangian dual function (brute force over every labelling, rows dropped):
+    ``min_x E(x) + sum_i mu_i (g_i(x) - T_i)`` with ``T_i = H_i`` for ``mu_i > 0``,
+    ``L_i`` for ``mu_i < 0``."""
+    n = mrf.num_groups
+    total = energy_tensor(mrf)
+    for row, mu in zip(mrf.linear_constraints, mult):
+        if mu == 0.0:
+            continue
+        value = np.zeros(total.shape)
+        for g, c in row.coef.items():
+            shape = [1] * n
+            shape[g] = c.size
+            value = value + c.reshape(shape)
+        total = total + mu * (value - (row.high if mu > 0 else row.low))
+    return float(total.min())
+
+
+def test_lagrangian_two_rows_against_brute_force():
+    """Two rows (upper+upper or upper+lower) on random loopy MRFs: every returned
+    labelling satisfies both rows, the bound is valid for the constrained problem and
+    never above the exact dual function at its own multipliers, the status is honest."""
+    counts = {"solved": 0, "binding": 0, "both_priced": 0, "optimal": 0, "infeasible": 0}
+    for seed in range(40):
+        sides = ("upper", "upper") if seed % 2 else ("upper", "lower")
+        mrf = loopy_mrf(seed, 6, inf_frac=0.05, unary_inf_frac=0.0, integer_costs=False,
+                        rows=sides)
+        opt = optimum(mrf)
+
+        def inner(m: MRF) -> SolverResult:
+            return solve_trws(m, max_iters=100)
+
+        if not np.isfinite(opt):
+            counts["infeasible"] += 1
+            with pytest.raises((InfeasibleError, NoFeasibleLabelingError)):
+                solve_with_rows(mrf, mrf.linear_constraints, inner)
+            continue
+        res = solve_with_rows(mrf, mrf.linear_constraints, inner)
+        counts["solved"] += 1
+        tol = RTOL * max(1.0, abs(opt))
+        assert all(row_holds(r, row_value(r, res.labels)) for r in mrf.linear_constraints)
+        assert res.objective == mrf.evaluate(res.labels) >= opt - tol, seed
+        assert res.lower_bound <= opt + tol, seed
+        assert not res.extra["tight_row"]  # bounds = sum of mean coefficients: never tight
+        dual = _dual_value(mrf, res.extra["bound_multipliers"])
+        assert res.lower_bound <= dual + tol and dual <= opt + tol, seed
+        assert res.status == (OPTIMAL if is_certified(res.objective, res.lower_bound)
+                              else HEURISTIC)
+        if res.status == OPTIMAL:
+            assert _close(res.objective, opt)
+        free = optimum(MRF(mrf.domain_sizes, mrf.unary, mrf.edges, mrf.factor, mrf.constant))
+        counts["binding"] += opt > free + tol
+        counts["both_priced"] += all(m != 0.0 for m in res.extra["multipliers"])
+        counts["optimal"] += _close(res.objective, opt)
+    # the instances exercise infeasibility, binding rows and two active multipliers,
+    # and the heuristic finds the constrained optimum on most of them
+    assert counts["infeasible"] >= 3 and counts["binding"] >= 15, counts
+    assert counts["both_priced"] >= 5 and counts["optimal"] >= 0.75 * counts["solved"], counts
+
+
+def test_lagrangian_one_row_is_the_single_row_search():
+    """One row: solve_with_rows is the single-row search (one round, no other start)."""
+    mrf = loopy_mrf(21, 6, inf_frac=0.0, unary_inf_frac=0.0, integer_costs=False,
+                    rows=("upper",))
+    (row,) = mrf.linear_constraints
+    a = solve_with_row(mrf, row, lambda m: solve_trws(m, max_iters=100))
+    b = solve_with_rows(mrf, [row], lambda m: solve_trws(m, max_iters=100), max_rounds=10)
+    assert a.labels.tolist() == b.labels.tolist() and a.lower_bound == b.lower_bound
+    assert a.extra["inner_solves"] == b.extra["inner_solves"] > 1
+    assert a.extra["multipliers"] == [a.extra["multiplier"]]
+    # no row: one inner solve, nothing priced
+    none = solve_with_rows(mrf, [], lambda m: solve_trws(m, max_iters=100))
+    assert none.labels.tolist() == solve_trws(mrf, max_iters=100).labels.tolist()
+    assert none.extra["inner_solves"] == 1 and none.extra["multipliers"] == []
+
+
+# ------------------------------------------------------------------ solver protocol
+
+
+def test_registry_dispatches_every_solver_with_one_protocol():
+    """Every registered solver is solve(mrf, options) -> SolverResult; on a small MRF
+    with one binding row, the exact ones agree with brute force and the Lagrangian
+    wrapper (registry.solve wraps approx because approx ignores rows) is feasible."""
+    mrf = loopy_mrf(6, 5, inf_frac=0.0, unary_inf_frac=0.0, rows=("upper",))
+    (row,) = mrf.linear_constraints
+    opt = optimum(mrf)
+    free = optimum(MRF(mrf.domain_sizes, mrf.unary, mrf.edges, mrf.factor, mrf.constant))
+    assert free < opt  # the row binds
+    assert set(registry.SOLVERS) == {"approx", "ilp", "lp", "brute_force", "lagrangian"}
+    for name in ("brute_force", "ilp"):
+        res = registry.get_solver(name).solve(mrf)
+        assert isinstance(res, SolverResult) and res.status == OPTIMAL
+        assert _close(res.objective, opt)
+    approx = registry.get_solver("approx")
+    assert not approx.honours_rows
+    assert _close(approx.solve(mrf).objective, free)  # rows ignored by TRW-S itself
+    wrapped = registry.solve("approx", mrf, TrwsOptions(max_iters=100))
+    assert row_holds(row, row_value(row, wrapped.labels))
+    assert opt - 1e-9 <= wrapped.objective and wrapped.lower_bound <= opt + 1e-9
+    direct = registry.get_solver("lagrangian").solve(
+        mrf, LagrangianOptions(inner=registry.bind("approx", TrwsOptions(max_iters=100))))
+    assert direct.labels.tolist() == wrapped.labels.tolist()
+    with pytest.raises(ValueError, match="allowed approx, ilp, lp, brute_force, lagrangian"):
+        registry.get_solver("gurobi")
+    with pytest.raises(ValueError, match="options.inner"):
+        registry.get_solver("lagrangian").solve(mrf)
+
+
+def test_options_from_the_solver_config():
+    """Options read their fields from any object shaped like pipeline.config.SolverConfig."""
+    from types import SimpleNamespace as SolverConfig
+
+    cfg = SolverConfig(name="approx", max_iters=7, tol=0.5, local_search_rounds=3,
+                       time_limit_s=9.0, backend="cbc", mip_gap=0.25, threads=2, prune=True)
+    trws = registry.get_solver("approx").options(cfg, label_bounds=True)
+    assert (trws.max_iters, trws.tol, trws.local_search_rounds, trws.time_limit_s,
+            trws.label_bounds) == (7, 0.5, 3, 9.0, True)
+    ilp = registry.get_solver("ilp").options(cfg, mps_path="m.mps")
+    assert (ilp.backend, ilp.mip_gap, ilp.threads, ilp.time_limit_s, ilp.mps_path) == (
+        "cbc", 0.25, 2, 9.0, "m.mps")
+    lp = registry.get_solver("lp").options(cfg)
+    assert (lp.backend, lp.threads, lp.accept_fractional) == ("cbc", 2, False)
+    with pytest.raises(ValueError, match="unknown ILP backend 'gurobi'"):
+        registry.get_solver("ilp").options(SolverConfig(backend="gurobi", time_limit_s=None,
+                                                        mip_gap=0.0, threads=1))
+
+
 # ------------------------------------------------------------------ benchmark (opt-in)
 
 
 @pytest.mark.skipif(os.environ.get("TRWS_BENCH") != "1", reason="set TRWS_BENCH=1")
 def test_benchmark_large_instance():
-    mrf = large_instance(np.random.default_rng(0))
+    mrf = step_sized_mrf()
     stamps = []
     t0, c0 = time.perf_counter(), time.process_time()
     res = solve_trws(

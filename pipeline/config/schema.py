@@ -31,7 +31,6 @@ STAGES: tuple[str, ...] = ("trace", "topology", "costs", "solve", "report")
 GROUPS: tuple[str, ...] = ("model", "hardware", "solver", "experiment")
 
 SOLVER_NAMES: tuple[str, ...] = ("approx", "ilp", "lp")
-MIP_BACKENDS: tuple[str, ...] = ("highs", "cbc")
 DEFAULT_MESH_NAMES: dict[int, list[str]] = {1: ["dp"], 2: ["dp", "tp"], 3: ["dp", "cp", "tp"]}
 
 

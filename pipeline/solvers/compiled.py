@@ -43,99 +43,32 @@ Nothing here builds a dense ``K_u x K_v`` matrix.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from pipeline.solvers.batches import (
+    CondBatch,
+    SendBatch,
+    cond_batch,
+    conditional_sweep,
+    index_order_levels,
+    interleaved_order,
+    send_batch,
+)
 from pipeline.solvers.errors import InfeasibleError
 from pipeline.solvers.mrf import MRF
 
+# Re-exported: the batches were built here before pipeline/solvers/batches.py existed.
+__all__ = [
+    "CompiledMRF",
+    "CondBatch",
+    "SendBatch",
+    "conditional_sweep",
+    "index_order_levels",
+    "interleaved_order",
+]
+
 _INF = np.inf
 _IP = np.intp
-
-
-@dataclass
-class SendBatch:
-    """One level of a TRW-S sweep (forward or backward).
-
-    Attributes (``L`` = labels of the batch's groups, ``A`` = sum of source
-    label counts over the sending edges, ``nE`` sending edges):
-        nodes: intp ``[n]`` groups of the level (ascending).
-        theta: float64 ``[L]`` concatenated unaries.
-        th_idx: intp ``[sum K_s deg_s]`` gather of incoming messages from ``buf``.
-        th_seg: intp ``[L]`` reduceat segment starts, or None if every degree is 1.
-        gam_rep: float64 ``[A]`` gamma of the source group, per element.
-        snd_rep: intp ``[A]`` index into the batch's ``theta_hat`` (labels
-            sorted by source class within each sending edge).
-        snd_rev: intp ``[A]`` index into ``buf`` of the reverse message.
-        snd_seg: intp ``[sum R_src]`` class segment starts into ``A``.
-        pair_src: intp ``[P]``, ``P = sum R_src D_dst``: index into the
-            concatenated class minima ``hr`` for every (edge, target class,
-            source class) triple, in that order.
-        pair_tab: float64 ``[P]`` table value of the same triple.
-        pair_seg: intp ``[sum D_dst]`` reduceat starts (one per target class).
-        msg_seg: intp ``[nE]`` start of each edge's message in the batch output.
-        msg_len: intp ``[nE]`` class count ``D_dst`` of each message.
-        lo, hi: slice of ``buf`` receiving the batch's messages (compact).
-        clo, chi: slice of the per-pass normalisation-constant vector.
-        lab_start: intp ``[n]`` start of each group's labels in ``[L]``.
-        coef: float64 ``[n]`` bound coefficient ``1 - n_in/n`` (backward only;
-            None when all zero).
-        forward: sweep direction; send_edges: intp ``[nE]`` edge ids sent along.
-    """
-
-    nodes: np.ndarray
-    theta: np.ndarray
-    th_idx: np.ndarray
-    th_seg: np.ndarray | None
-    lab_start: np.ndarray
-    coef: np.ndarray | None
-    forward: bool = True
-    n_send: int = 0
-    send_edges: np.ndarray | None = None
-    gam_rep: np.ndarray | None = None
-    snd_rep: np.ndarray | None = None
-    snd_rev: np.ndarray | None = None
-    snd_seg: np.ndarray | None = None
-    pair_src: np.ndarray | None = None
-    pair_tab: np.ndarray | None = None
-    pair_seg: np.ndarray | None = None
-    msg_seg: np.ndarray | None = None
-    msg_len: np.ndarray | None = None
-    lo: int = 0
-    hi: int = 0
-    clo: int = 0
-    chi: int = 0
-
-
-@dataclass
-class CondBatch:
-    """One level of a sequential labelling sweep (decoding or ICM).
-
-    The cost of label ``x`` of group ``s`` is
-    ``theta_s(x) + sum_k buf[static[s, x, k] + mult_k * cls_flat[clsoff_k + labels[nbr_k]]]``
-    over the incident edges ``k`` (``[group][label][edge]`` layout).
-
-    Attributes:
-        nodes: intp ``[n]``; theta: float64 ``[L]``; th_seg as in SendBatch.
-        static: intp ``[sum K_s deg_s]`` static part of the ``buf`` index.
-        p_nbr, p_clsoff, p_mult: intp ``[sum deg_s]`` per (group, edge) pair.
-        p_of_elem: intp ``[sum K_s deg_s]`` pair of every element.
-        lab_start: intp ``[n]``; pad_pos: intp ``[L]`` position in ``[n, Kmax]``
-            (None when ``n == 1``); kmax: max domain size of the batch.
-    """
-
-    nodes: np.ndarray
-    theta: np.ndarray
-    th_seg: np.ndarray | None
-    static: np.ndarray
-    p_nbr: np.ndarray
-    p_clsoff: np.ndarray
-    p_mult: np.ndarray
-    p_of_elem: np.ndarray
-    lab_start: np.ndarray
-    pad_pos: np.ndarray | None
-    kmax: int
 
 
 def _check_costs(arr: np.ndarray, what: str) -> None:
@@ -155,13 +88,18 @@ def _compact(cls: np.ndarray, n_cls: int) -> tuple[np.ndarray, np.ndarray | None
     return remap[cls], used
 
 
+
 class CompiledMRF:
     """Validated, compacted, level-scheduled arrays of an :class:`MRF`.
 
     Build once per solve (cost: one ``mrf.factor(e)`` call per edge plus
     O(E + sum_g K_g deg_g) numpy work) and share it between TRW-S and the
     local search. The ``buf`` message area is scratch space owned by the
-    caller of :meth:`new_buffer`.
+    caller of :meth:`new_buffer`. The level batches (``fwd_batches``,
+    ``bwd_batches``, ``decode_batches``, ``icm_batches``) are built by
+    pipeline/solvers/batches.py from these arrays; ``pairs[s]`` holds, per incident
+    edge of group ``s``, the neighbour, its class-map offset in ``cls_flat`` and the
+    class multipliers of the decoding and ICM gathers.
 
     Raises:
         ValueError: malformed input (shapes, edge order, class indices, NaN,
@@ -176,15 +114,17 @@ class CompiledMRF:
         self._layout()
         self._build_node_arrays()
         self.fwd_batches = [
-            self._send_batch(nodes, send, forward=True)
+            send_batch(self, nodes, send, self._th_idx, forward=True)
             for nodes, send in zip(self._fwd_levels, self._fwd_send, strict=True)
         ]
         self.bwd_batches = [
-            self._send_batch(nodes, send, forward=False)
+            send_batch(self, nodes, send, self._th_idx, forward=False)
             for nodes, send in zip(self._bwd_levels, self._bwd_send, strict=True)
         ]
-        self.decode_batches = [self._cond_batch(b, decode=True) for b in self._all_levels]
-        self.icm_batches = [self._cond_batch(b, decode=False) for b in self._all_levels]
+        self.decode_batches = [cond_batch(self, b, self._dec_static, decode=True)
+                               for b in self._all_levels]
+        self.icm_batches = [cond_batch(self, b, self._icm_static, decode=False)
+                            for b in self._all_levels]
         del self._th_idx, self._dec_static  # build-time only
 
     # ------------------------------------------------------------------ load
@@ -413,7 +353,7 @@ class CompiledMRF:
         self._th_idx: list[np.ndarray | None] = [None] * n
         self._dec_static: list[np.ndarray | None] = [None] * n
         self._icm_static: list[np.ndarray | None] = [None] * n
-        self._pairs: list[tuple[np.ndarray, ...] | None] = [None] * n
+        self.pairs: list[tuple[np.ndarray, ...] | None] = [None] * n
         edges, tab_off = self.edges, self.tab_off
         for s in range(n):
             inc = self.inc[s]
@@ -450,129 +390,12 @@ class CompiledMRF:
             self._th_idx[s] = th.ravel()
             self._dec_static[s] = dec.ravel()
             self._icm_static[s] = icm.ravel()
-            self._pairs[s] = (nbr, clsoff, mult_dec, mult_icm)
+            self.pairs[s] = (nbr, clsoff, mult_dec, mult_icm)
         # Per-group ICM arrays, kept 2-D for the pairwise move.
         self.icm_static_2d = [
             None if a is None else a.reshape(int(self.sizes[s]), -1)
             for s, a in enumerate(self._icm_static)
         ]
-
-    def _common(self, nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-        k = self.sizes[nodes]
-        lab_start = np.concatenate([[0], np.cumsum(k)[:-1]]).astype(_IP)
-        theta = np.concatenate([self.unary[s] for s in nodes])
-        degs = np.array([len(self.inc[s]) for s in nodes], dtype=_IP)
-        if (degs == 1).all():
-            th_seg = None
-        else:
-            elem_start = np.concatenate([[0], np.cumsum(k * degs)[:-1]])
-            th_seg = np.concatenate(
-                [elem_start[i] + np.arange(k[i]) * degs[i] for i in range(len(nodes))]
-            ).astype(_IP)
-        return theta, th_seg, lab_start
-
-    # ------------------------------------------------------------- batches
-    def _send_batch(self, nodes: np.ndarray, send: list[int], *, forward: bool) -> SendBatch:
-        theta, th_seg, lab_start = self._common(nodes)
-        th_idx = np.concatenate([self._th_idx[s] for s in nodes])
-        n_send = len(send)
-        coef = None
-        if not forward:
-            c = self.coef[nodes]
-            coef = c if (c > 0).any() else None
-        if n_send == 0:
-            return SendBatch(nodes, theta, th_idx, th_seg, lab_start, coef, forward)
-        local = {int(s): i for i, s in enumerate(nodes)}
-        src_n = np.array([len(self.rcls[e]) if forward else len(self.ccls[e]) for e in send])
-        r_src = self.R[send] if forward else self.C[send]
-        d_dst = self.C[send] if forward else self.R[send]
-        reps, revs, segs, gams, ptab = [], [], [], [], []
-        a_off = 0
-        for k, e in enumerate(send):
-            u, v = int(self.edges[e, 0]), int(self.edges[e, 1])
-            src = u if forward else v
-            cls = self.rcls[e] if forward else self.ccls[e]
-            rev_slot = self.slot_b[e] if forward else self.slot_f[e]
-            t = self.tables[e] if forward else self.tables[e].T  # [source cls, target cls]
-            order = np.argsort(cls, kind="stable")
-            counts = np.bincount(cls, minlength=int(r_src[k]))
-            reps.append(lab_start[local[src]] + order)
-            revs.append(rev_slot + cls[order])
-            segs.append(a_off + np.concatenate([[0], np.cumsum(counts)[:-1]]))
-            gams.append(np.full(order.size, self.gamma[src]))
-            ptab.append(t.T.ravel())
-            a_off += int(src_n[k])
-        # pair_src: for edge k, the class-minimum indices h_off_k + (0..r_k-1), repeated d_k times.
-        pair_len = np.repeat(r_src, d_dst)
-        block = r_src * d_dst
-        h_off = np.concatenate([[0], np.cumsum(r_src)[:-1]])
-        p_off = np.concatenate([[0], np.cumsum(block)[:-1]])
-        within = np.arange(int(block.sum())) - np.repeat(p_off, block)
-        pair_src = np.repeat(h_off, block) + within % np.repeat(r_src, block)
-        msg_len = d_dst.astype(_IP)
-        lo = int(self.slot_f[send[0]] if forward else self.slot_b[send[0]])
-        cstart = int((self.cpos_f if forward else self.cpos_b)[send[0]])
-        return SendBatch(
-            nodes=nodes,
-            theta=theta,
-            th_idx=th_idx,
-            th_seg=th_seg,
-            gam_rep=np.concatenate(gams),
-            snd_rep=np.concatenate(reps).astype(_IP, copy=False),
-            snd_rev=np.concatenate(revs).astype(_IP, copy=False),
-            snd_seg=np.concatenate(segs).astype(_IP, copy=False),
-            pair_src=pair_src.astype(_IP, copy=False),
-            pair_tab=np.concatenate(ptab),
-            pair_seg=np.concatenate([[0], np.cumsum(pair_len)[:-1]]).astype(_IP, copy=False),
-            msg_seg=np.concatenate([[0], np.cumsum(msg_len)[:-1]]).astype(_IP, copy=False),
-            msg_len=msg_len,
-            forward=forward,
-            n_send=n_send,
-            send_edges=np.array(send, dtype=_IP),
-            lo=lo,
-            hi=lo + int(msg_len.sum()),
-            clo=cstart,
-            chi=cstart + n_send,
-            lab_start=lab_start,
-            coef=coef,
-        )
-
-    def _cond_batch(self, nodes: np.ndarray, *, decode: bool) -> CondBatch:
-        theta, th_seg, lab_start = self._common(nodes)
-        statics = self._dec_static if decode else self._icm_static
-        static = np.concatenate([statics[s] for s in nodes])
-        nbr, clsoff, mult = [], [], []
-        for s in nodes:
-            pn, pc, md, mi = self._pairs[s]
-            nbr.append(pn)
-            clsoff.append(pc)
-            mult.append(md if decode else mi)
-        k = self.sizes[nodes]
-        # Pair of every element in the [group][label][edge] layout.
-        degs = np.array([self._pairs[s][0].size for s in nodes], dtype=_IP)
-        block = k * degs
-        e_off = np.concatenate([[0], np.cumsum(block)[:-1]])
-        within = np.arange(int(block.sum())) - np.repeat(e_off, block)
-        p_of = np.repeat(np.cumsum(degs) - degs, block) + within % np.repeat(degs, block)
-        kmax = int(k.max())
-        pad_pos = None
-        if len(nodes) > 1:
-            pad_pos = np.concatenate(
-                [i * kmax + np.arange(k[i]) for i in range(len(nodes))]
-            ).astype(_IP)
-        return CondBatch(
-            nodes=nodes,
-            theta=theta,
-            th_seg=th_seg,
-            static=static,
-            p_nbr=np.concatenate(nbr).astype(_IP, copy=False),
-            p_clsoff=np.concatenate(clsoff).astype(_IP, copy=False),
-            p_mult=np.concatenate(mult).astype(_IP, copy=False),
-            p_of_elem=p_of.astype(_IP, copy=False),
-            lab_start=lab_start,
-            pad_pos=pad_pos,
-            kmax=kmax,
-        )
 
     # ---------------------------------------------------------- evaluation
     def isolated_labels(self) -> np.ndarray:
@@ -585,7 +408,7 @@ class CompiledMRF:
         Returns float64 ``[K_s, deg_s]``: column ``j`` is ``B_e(x, labels[t])``
         for the ``j``-th incident edge ``e`` (in edge order) to neighbour ``t``.
         """
-        nbr, clsoff, _, mult = self._pairs[s]
+        nbr, clsoff, _, mult = self.pairs[s]
         dyn = self.cls_flat[clsoff + labels[nbr]] * mult
         return buf[self.icm_static_2d[s] + dyn]
 
@@ -602,86 +425,3 @@ class CompiledMRF:
             c = self.cls_flat[self.cc_off + labels[v]]
             total += float(self._tab_flat[self.tab_off - self.msg_size + r * self.C + c].sum())
         return total
-
-
-def conditional_sweep(
-    cm: CompiledMRF,
-    buf: np.ndarray,
-    labels: np.ndarray,
-    batches: list[CondBatch],
-    *,
-    improve_only: bool,
-    rtol: float = 1e-12,
-) -> int:
-    """Relabel every group in increasing order given its neighbours; return #changes.
-
-    For each group ``s`` (level-batched, equal to the sequential sweep) the
-    cost of label ``x`` is gathered per :class:`CondBatch` and ``labels[s]``
-    is set to its argmin (first index on ties). With ``improve_only`` the
-    label changes only if the new cost is lower than the current one by more
-    than ``rtol * max(1, |new|)`` (ICM; guarantees termination).
-
-    Args:
-        cm: compiled problem; buf: its buffer (messages + tables).
-        labels: int64 ``[G]``, updated in place.
-        batches: ``cm.decode_batches`` (TRW-S decoding) or ``cm.icm_batches``.
-    """
-    changes = 0
-    cls_flat = cm.cls_flat
-    for b in batches:
-        dyn = cls_flat[b.p_clsoff + labels[b.p_nbr]]
-        dyn *= b.p_mult
-        g = buf[b.static + dyn[b.p_of_elem]]
-        cost = np.add.reduceat(g, b.th_seg) if b.th_seg is not None else g
-        cost += b.theta
-        if b.pad_pos is None:
-            best = np.array([int(np.argmin(cost))])
-            best_cost = cost[best]
-        else:
-            pad = np.full(len(b.nodes) * b.kmax, _INF)
-            pad[b.pad_pos] = cost
-            pad = pad.reshape(len(b.nodes), b.kmax)
-            best = np.argmin(pad, axis=1)
-            best_cost = pad[np.arange(len(b.nodes)), best]
-        if improve_only:
-            cur_cost = cost[b.lab_start + labels[b.nodes]]
-            with np.errstate(invalid="ignore"):
-                better = (cur_cost - best_cost) > rtol * np.maximum(1.0, np.abs(best_cost))
-            if better.any():
-                labels[b.nodes[better]] = best[better]
-                changes += int(np.count_nonzero(better))
-        else:
-            changes += int(np.count_nonzero(labels[b.nodes] != best))
-            labels[b.nodes] = best
-    return changes
-
-
-def index_order_levels(edges: np.ndarray, n: int) -> int:
-    """Number of forward levels of the plain group order (longest increasing path + 1).
-
-    O(E) Python loop over edges sorted by their higher endpoint.
-    """
-    if n == 0:
-        return 0
-    lev = [0] * n
-    edges = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
-    for u, v in edges[np.argsort(edges[:, 1], kind="stable")].tolist():
-        lev[v] = max(lev[v], lev[u] + 1)
-    return max(lev) + 1
-
-
-def interleaved_order(n: int, segments: int) -> np.ndarray:
-    """Visit order that runs ``segments`` contiguous blocks of the group order side by side.
-
-    Group ``s`` lies in block ``s // L`` at offset ``s % L`` (``L =
-    ceil(n / segments)``); groups are visited by increasing (offset, block).
-    Inside a block the group order is kept, so monotonic chains stay ``L``
-    long, while one level now holds up to ``segments`` groups.
-
-    Returns:
-        int64 ``[n]``: ``order[i]`` is the ``i``-th group visited.
-    """
-    segments = max(1, min(int(segments), max(n, 1)))
-    length = -(-n // segments)
-    s = np.arange(n, dtype=np.int64)
-    return np.lexsort((s // length, s % length)).astype(np.int64)

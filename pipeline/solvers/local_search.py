@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.solvers.compiled import CompiledMRF, conditional_sweep
+from pipeline.solvers.batches import conditional_sweep
+from pipeline.solvers.compiled import CompiledMRF
 from pipeline.solvers.mrf import MRF
 
 _INF = np.inf

@@ -23,11 +23,13 @@ Problem (groups are the nodes decided jointly, labels their joint strategies)::
   expected to memoise, so solvers call it freely.
 * ``linear_constraints`` are optional rows ``low <= sum_g coef_g[x_g] <= high``
   (e.g. the parameter-memory budget); solvers that cannot honour them
-  natively (TRW-S) handle them by Lagrangian relaxation in the solve stage.
+  natively (TRW-S) are wrapped in Lagrangian relaxation
+  (pipeline/solvers/lagrangian.py, any number of rows).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -71,6 +73,27 @@ class LinearConstraint:
     coef: dict[int, np.ndarray]
     low: float
     high: float
+
+
+#: Relative tolerance of a row check: ``low - tol <= g(x) <= high + tol`` with
+#: ``tol = ROW_RTOL * max(1, |low|, |high|)`` over the finite bounds.
+ROW_RTOL = 1e-9
+
+
+def row_value(row: LinearConstraint, labels: np.ndarray) -> float:
+    """``g(labels) = sum_g coef[g][labels[g]]``, summed in increasing group order."""
+    return float(sum(float(c[labels[g]]) for g, c in sorted(row.coef.items())))
+
+
+def row_tolerance(row: LinearConstraint) -> float:
+    """Absolute tolerance of ``row``'s bounds (see :data:`ROW_RTOL`)."""
+    return ROW_RTOL * max([1.0] + [abs(v) for v in (row.low, row.high) if math.isfinite(v)])
+
+
+def row_holds(row: LinearConstraint, value: float | np.ndarray) -> bool | np.ndarray:
+    """Whether ``value`` (a row value, or an array of them) satisfies ``row``."""
+    tol = row_tolerance(row)
+    return (value >= row.low - tol) & (value <= row.high + tol)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 r"""Exact label pruning (reduced-cost fixing) from a dual reparametrisation.
 
-Used before the ILP / LP (pipeline/solvers/ilp.py): it removes labels that
+Used before the ILP / LP (pipeline/solvers/ilp/): it removes labels that
 provably belong to no labelling as good as a known one, so the integer program
 shrinks (llama1b on a 2x4x8 mesh: 5.5 M -> < 1 M class-pair variables) while
 its optimum stays the optimum of the problem as posed.
@@ -60,12 +60,13 @@ than ``U >= OPT``). This is the MAP analogue of reduced-cost fixing in integer
 programming (Nemhauser & Wolsey 1988, "Integer and Combinatorial
 Optimization", §II.4.2, fixing by reduced costs against an incumbent).
 
-Linear rows. For a row ``L <= g(x) <= H`` handled by Lagrangian relaxation
-with multiplier ``lambda`` on side ``s`` (pipeline/solvers/lagrangian.py),
-bounds (*) of the penalised energy ``E + s lambda g`` hold for every ``x``,
-so for every *feasible* ``x``: ``E(x) >= LB_pen(g, k) - s lambda T`` with
-``T = H`` (upper side) or ``L`` (lower side). The maximum of valid bounds is
-valid, so bounds from several multipliers are combined entrywise.
+Linear rows. For rows ``L_i <= g_i(x) <= H_i`` handled by Lagrangian
+relaxation with signed multipliers ``mu_i`` (pipeline/solvers/lagrangian.py),
+bounds (*) of the penalised energy ``E + sum_i mu_i g_i`` hold for every ``x``,
+so for every *feasible* ``x``: ``E(x) >= LB_pen(g, k) - sum_i mu_i T_i`` with
+``T_i = H_i`` for ``mu_i > 0`` (upper side) and ``L_i`` for ``mu_i < 0``
+(lower side). The maximum of valid bounds is valid, so bounds from several
+multiplier vectors are combined entrywise.
 
 A tolerance ``tol = PRUNE_RTOL * max(1, |U|)`` is added to ``U`` before
 comparing: it absorbs the floating-point error of the sums (labels within it

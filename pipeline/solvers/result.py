@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.solvers.status import HEURISTIC, OPTIMAL
+
 #: Relative tolerance under which a lower bound certifies an objective.
 CERTIFY_RTOL = 1e-9
 
@@ -28,6 +30,12 @@ def is_certified(objective: float, bound: float, rtol: float = CERTIFY_RTOL) -> 
     return relative_gap(objective, bound) <= rtol
 
 
+def certified_status(objective: float, bound: float) -> str:
+    """Status of a heuristic solve: ``"Optimal"`` when ``bound`` certifies
+    ``objective`` (:func:`is_certified`), else ``"Heuristic"``."""
+    return OPTIMAL if is_certified(objective, bound) else HEURISTIC
+
+
 @dataclass
 class SolverResult:
     """Outcome of one MRF solve.
@@ -38,10 +46,11 @@ class SolverResult:
         lower_bound: a valid lower bound on ``min E`` in µs (``-inf`` if none).
         lower_bound_source: which method produced the bound (e.g. ``"trws"``).
         status: exact solvers (ilp, lp) use one of
-            ``pipeline.solvers.status.STATUSES``; the approximate solver
-            (TRW-S) reports ``"Optimal"`` when its bound certifies the
-            objective (``objective - lower_bound <= 1e-9 * max(1, |objective|)``),
-            else ``"Heuristic"``.
+            ``pipeline.solvers.status.STATUSES``; the heuristic solvers (TRW-S,
+            the Lagrangian wrapper) use :func:`certified_status`: ``"Optimal"``
+            when the bound certifies the objective
+            (``objective - lower_bound <= 1e-9 * max(1, |objective|)``), else
+            ``"Heuristic"``.
         iterations: solver iterations performed.
         bound_history: lower bound (µs) after each iteration.
         solve_seconds: wall time of the solve in seconds.

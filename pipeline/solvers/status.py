@@ -1,6 +1,6 @@
-"""Honest solver status: map every backend outcome to one of four words.
+"""Honest solver status: the status words, defined once, and the backend maps.
 
-Every solver result carries exactly one of:
+Every exact solver result (ilp, lp) carries exactly one of:
 
 * ``"Optimal"`` -- proven optimal (for a MIP: within the requested gap,
   ``mip_gap=0`` meaning the backend's default absolute tolerance only).
@@ -19,6 +19,12 @@ second code ``sol_status`` (``LpSolutionOptimal`` = 1 versus
 ``HighsModelStatus`` (HiGHS docs, "Model status") and whether a primal
 solution exists (``info.primal_solution_status == 2``, "feasible").
 
+Heuristic solvers (TRW-S with local search, the Lagrangian wrapper) report
+``"Optimal"`` when their lower bound certifies the objective
+(:func:`pipeline.solvers.result.certified_status`) and otherwise:
+
+* ``"Heuristic"`` -- a feasible labelling without a proof of optimality.
+
 The functions here are pure (no solver is run) so every branch is unit-tested.
 """
 
@@ -29,6 +35,9 @@ FEASIBLE_TIME_LIMIT = "Feasible (time limit)"
 INFEASIBLE = "Infeasible"
 NOT_SOLVED = "Not Solved"
 
+HEURISTIC = "Heuristic"
+
+#: The statuses of the exact solvers (ilp, lp), the range of the backend maps below.
 STATUSES = (OPTIMAL, FEASIBLE_TIME_LIMIT, INFEASIBLE, NOT_SOLVED)
 
 # PuLP constants (pulp.constants), repeated so this module imports nothing.

@@ -19,7 +19,7 @@ Groups are visited in a fixed order; below, ``t < s`` means "``t`` comes
 before ``s`` in that order". The order is the group index order, or (default
 for long chain-like graphs, see ``order`` in :func:`solve_trws`) the group
 order cut into contiguous segments that are swept side by side
-(:func:`~pipeline.solvers.compiled.interleaved_order`): TRW-S is valid and
+(:func:`~pipeline.solvers.batches.interleaved_order`): TRW-S is valid and
 monotone for any fixed order ([K06] Sec. 4), and the interleaved one needs
 far fewer numpy batches per sweep. For group ``s`` let
 ``n_in(s) = |{t < s : (t, s) in E}|``, ``n_out(s) = |{t > s : (s, t) in E}|``
@@ -98,9 +98,10 @@ forward pass, with the same messages)::
 The best-energy labelling over all iterations is kept, then polished by
 :func:`pipeline.solvers.local_search.coordinate_descent`.
 
-Linear constraints (``MRF.linear_constraints``) are ignored here: the solve
-stage handles them by Lagrangian relaxation (folding multiplier-weighted
-coefficients into the unaries and calling this solver repeatedly).
+Linear constraints (``MRF.linear_constraints``) are ignored here: the
+Lagrangian wrapper (:mod:`pipeline.solvers.lagrangian`) handles them (folding
+multiplier-weighted coefficients into the unaries and calling this solver
+repeatedly).
 
 Implementation: :class:`pipeline.solvers.compiled.CompiledMRF` schedules the
 groups in levels so that one level is one batch of numpy calls and the result
@@ -110,25 +111,25 @@ equals the sequential sweep exactly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 
-from pipeline.solvers.compiled import (
-    CompiledMRF,
+from pipeline.solvers.batches import (
     SendBatch,
     conditional_sweep,
     index_order_levels,
     interleaved_order,
 )
+from pipeline.solvers.compiled import CompiledMRF
 from pipeline.solvers.errors import InfeasibleError, NoFeasibleLabelingError
 from pipeline.solvers.local_search import coordinate_descent
 from pipeline.solvers.mrf import MRF
-from pipeline.solvers.result import CERTIFY_RTOL, SolverResult, is_certified
+from pipeline.solvers.options import TrwsOptions, TrwsProgressFn
+from pipeline.solvers.result import CERTIFY_RTOL, SolverResult, certified_status, is_certified
 
 _INF = np.inf
 
-ProgressFn = Callable[[int, float, float], None]
+ProgressFn = TrwsProgressFn
 
 
 def _send_pass(
@@ -232,7 +233,7 @@ def solve_trws(
             called after every iteration.
         order: visiting order of the groups: ``"index"`` (group order),
             ``"auto"`` (group order if it has at most ``max_levels`` levels,
-            else :func:`~pipeline.solvers.compiled.interleaved_order` with
+            else :func:`~pipeline.solvers.batches.interleaved_order` with
             ``ceil(G / max_levels)`` segments), or an explicit permutation
             (``order[i]`` = ``i``-th group visited). Any fixed order is a valid
             TRW-S schedule (monotone bound); it changes the chains, hence the
@@ -320,7 +321,7 @@ def solve_trws(
             "infeasible (TRW-S did not prove it): try the exact ILP solver"
         )
     lower_bound = max(history)
-    status = "Optimal" if is_certified(objective, lower_bound, CERTIFY_RTOL) else "Heuristic"
+    status = certified_status(objective, lower_bound)
     return SolverResult(
         labels=labels,
         objective=objective,
@@ -341,6 +342,16 @@ def solve_trws(
         },
         label_bounds=bounds,
     )
+
+
+def solve(mrf: MRF, options: TrwsOptions | None = None) -> SolverResult:
+    """The solver protocol (:mod:`pipeline.solvers.registry`): :func:`solve_trws`
+    with the fields of ``options`` (defaults when None)."""
+    o = options if options is not None else TrwsOptions()
+    return solve_trws(mrf, max_iters=o.max_iters, tol=o.tol,
+                      local_search_rounds=o.local_search_rounds, time_limit_s=o.time_limit_s,
+                      progress=o.progress, order=o.order, max_levels=o.max_levels,
+                      label_bounds=o.label_bounds)
 
 
 def _label_bounds(cm: CompiledMRF, buf: np.ndarray) -> list[np.ndarray]:
