@@ -20,6 +20,7 @@ from omegaconf import MISSING
 from pipeline.costmodel.hardware import HardwareConfig
 from pipeline.models.llama import ModelConfig
 from pipeline.runtime import PROJECT_ROOT
+from pipeline.solvers.options import BACKENDS as MIP_BACKENDS  # noqa: F401 - re-exported
 
 #: Absolute path of the Hydra config directory (``initialize_config_dir`` needs one).
 CONF_DIR: Path = PROJECT_ROOT / "conf"
