@@ -95,7 +95,7 @@ DEFAULT_MESH_NAMES: dict[int, list[str]] = {1: ["dp"], 2: ["dp", "tp"], 3: ["dp"
 STAGE_SOURCES: dict[str, tuple[str, ...]] = {
     "trace": ("pipeline/trace.py", "pipeline/models/*.py"),
     "topology": ("pipeline/topology.py", "pipeline/placements.py"),
-    "costs": ("pipeline/costs.py", "pipeline/costmodel/*.py"),
+    "costs": ("pipeline/costs.py", "pipeline/costmodel/*.py", "pipeline/costmodel/*/*.py"),
     "solve": ("pipeline/solve.py", "pipeline/solvers/*.py"),
     "report": ("pipeline/report.py",),
     "paper": ("pipeline/paper.py",),
