@@ -28,20 +28,30 @@ from pipeline.costmodel.comm import (
     all_gather_us,
     all_reduce_us,
     all_to_all_us,
+    alpha_beta_us,
     collective_us,
+    mesh_collective_params,
     mesh_collective_us,
+    mesh_collectives_us,
     mesh_dim_link,
     reduce_scatter_us,
 )
 from pipeline.costmodel.compute import is_view_op, op_flops, peak_flops, roofline_us
 from pipeline.costmodel.hardware import (
+    COLLECTIVES,
     HardwareConfig,
     LinkConfig,
     hardware_key,
     load_hardware,
     validate_hardware,
 )
-from pipeline.costmodel.redistribute import plan, redistribute_table, redistribute_us
+from pipeline.costmodel.redistribute import (
+    StepCost,
+    plan,
+    redistribute_steps,
+    redistribute_table,
+    redistribute_us,
+)
 from pipeline.placements import parse_placements as pp
 
 aten = torch.ops.aten
@@ -294,6 +304,37 @@ def test_mesh_collective_picks_link_and_group(hw):
         mesh_dim_link((2, 4), 2, 8)
 
 
+def test_alpha_beta_by_hand():
+    # 31 + 2 * 7/8 * 67,108,864 / 270e9 s = 31 + 434.96486 µs; a group of one: 0
+    assert alpha_beta_us(2.0, 31.0, 270e9, MIB64, 8) == pytest.approx(465.96486, rel=1e-7)
+    assert alpha_beta_us(2.0, 31.0, 270e9, MIB64, 1) == 0.0
+    vec = alpha_beta_us(np.array([2.0, 1.0]), 31.0, 270e9, np.array([MIB64, MIB64]),
+                        np.array([8, 1]))
+    assert vec.tolist() == [alpha_beta_us(2.0, 31.0, 270e9, MIB64, 8), 0.0]
+
+
+@pytest.mark.parametrize("mesh", [(2, 4, 8), (8, 8), (1, 4), (16,)])
+def test_vectorised_mesh_collectives_equal_scalar(mesh, hw):
+    # every (collective, mesh dim) pair, odd sizes: the array path the redistribution
+    # steps use is bit-identical to the scalar helper (groups of one cost 0)
+    rng = random.Random(len(mesh))
+    kinds, dims, sizes = [], [], []
+    for k, m in itertools.product(range(len(COLLECTIVES)), range(len(mesh))):
+        for size in (0, 1, rng.randrange(1, 1 << 30), MIB64 + 3):
+            kinds.append(k)
+            dims.append(m)
+            sizes.append(size)
+    params = mesh_collective_params(mesh, hw)
+    vec = mesh_collectives_us(np.array(kinds), np.array(sizes), np.array(dims), params)
+    for t, k, m, size in zip(vec.tolist(), kinds, dims, sizes, strict=True):
+        assert t == mesh_collective_us(COLLECTIVES[k], size, mesh, m, hw), (k, m, size)
+        assert (t == 0.0) == (mesh[m] == 1)
+    # reading only the used entries gives the same values there, NaN elsewhere
+    part = mesh_collective_params(mesh, hw, [(0, 2)])
+    assert part.lat[0, 2] == params.lat[0, 2] and part.bw[0, 2] == params.bw[0, 2]
+    assert np.isnan(part.lat).sum() == part.lat.size - 1
+
+
 # --------------------------------------------------------------------------- redistribute
 
 SHAPE = (1024, 4096)  # bf16: 8,388,608 B
@@ -380,6 +421,26 @@ def test_second_step_bytes_account_for_other_mesh_dim(hw):
         + all_gather_us(ag_out, 2, hw.intra_node)
     )
     assert t == pytest.approx(expected, rel=1e-12)
+
+
+def test_redistribute_steps_bytes_and_times(hw):
+    # the two steps of test_second_step_bytes_account_for_other_mesh_dim, each costed
+    # with the comm helpers (bit for bit) plus the reshuffle of the reduce-scatter input
+    rs_in = 2048 * 8192 * 4
+    ag_out = 4096 * 2048 * 4
+    steps = redistribute_steps((4096, 8192), 4, pp("S(0)P"), pp("RS(1)"), MESH, hw)
+    assert steps == [
+        StepCost("reduce_scatter", 1, rs_in,
+                 reduce_scatter_us(rs_in, 4, hw.intra_node) + 2 * rs_in / HBM_EFF * 1e6),
+        StepCost("all_gather", 0, ag_out, all_gather_us(ag_out, 2, hw.intra_node)),
+    ]
+    assert steps[0].us + steps[1].us == redistribute_us(
+        (4096, 8192), 4, pp("S(0)P"), pp("RS(1)"), MESH, hw)
+    # a size-1 mesh dim is no step; equal placements none; illegal None
+    assert redistribute_steps(SHAPE, 2, pp("PS(0)"), pp("RR"), (1, 4), hw) == [
+        StepCost("all_gather", 1, FULL, all_gather_us(FULL, 4, hw.intra_node))]
+    assert redistribute_steps(SHAPE, 2, pp("S(0)R"), pp("S(0)R"), MESH, hw) == []
+    assert redistribute_steps(SHAPE, 2, pp("S(0)R"), pp("PR"), MESH, hw) is None
 
 
 def test_inter_node_step_and_uneven_shard(hw):

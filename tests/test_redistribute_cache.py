@@ -1,8 +1,9 @@
 """Redistribution tables from per-pair cached records, and the rule-based planner.
 
-* ``_plan_rules`` (our re-implementation of DTensor's greedy planner) must give exactly
-  the steps of the DTensor-based reference ``_plan_uncached`` (kind, mesh dim, order,
-  placements before/after, divisors, reshuffle flags) for all pairs of placements.
+* ``plan_greedy`` / ``plan_strided`` (our re-implementations of DTensor's greedy and
+  graph planners) must give exactly the steps of DTensor's own planner
+  (``tests/dtensor_reference.py``: kind, mesh dim, order, placements before/after,
+  divisors, reshuffle flags) for all pairs of placements.
 * ``redistribute_table`` must equal the element-wise ``redistribute_us`` bit for bit,
   whatever order tables are built in (records are shared across tables).
 * ``placements_differ`` must equal the ``s != d`` double loop.
@@ -16,16 +17,22 @@ import random
 
 import numpy as np
 import pytest
+from dtensor_reference import DTensorReference
 
-from pipeline.costmodel import redistribute as rd
 from pipeline.costmodel.hardware import HardwareConfig
 from pipeline.costmodel.redistribute import (
+    DEFAULT_INTERNER,
+    PlacementInterner,
     clear_caches,
     normalize_placements,
     placements_differ,
+    plan,
+    planner,
     redistribute_table,
     redistribute_us,
+    tables,
 )
+from pipeline.costmodel.redistribute.steps import category
 from pipeline.placements import parse_placements as pp
 
 MP = "MP(0,128x2)"
@@ -34,6 +41,11 @@ MP = "MP(0,128x2)"
 @pytest.fixture(scope="module")
 def hw() -> HardwareConfig:
     return HardwareConfig()
+
+
+@pytest.fixture(scope="module")
+def ref() -> DTensorReference:
+    return DTensorReference()
 
 
 def _tokens(rank: int, extra: list[str]) -> list[str]:
@@ -45,7 +57,8 @@ def _all_placements(mesh_ndim: int, rank: int, extra: list[str]) -> list[tuple]:
     return [normalize_placements(pp("".join(c))) for c in itertools.product(toks, repeat=mesh_ndim)]
 
 
-def _check_rules_equal_dtensor(mesh_ndim: int, rank: int, extra: list[str]) -> int:
+def _check_rules_equal_dtensor(ref: DTensorReference, mesh_ndim: int, rank: int,
+                               extra: list[str]) -> int:
     pls = _all_placements(mesh_ndim, rank, extra)
     canon_mesh = (2,) * mesh_ndim
     n = 0
@@ -53,12 +66,12 @@ def _check_rules_equal_dtensor(mesh_ndim: int, rank: int, extra: list[str]) -> i
         for d in pls:
             if s == d:
                 continue
-            ours = rd._plan_rules(s, d)
-            ref = rd._plan_uncached(s, d, canon_mesh, None)
-            assert ours == ref, (s, d, ours, ref)
+            ours = planner.plan_greedy(DEFAULT_INTERNER, s, d)
+            theirs = ref.plan(s, d, canon_mesh, None)
+            assert ours == theirs, (s, d, ours, theirs)
             if ours is not None:  # Step equality compares placements by value: check kinds
                 assert [(a.mesh_dim, a.kind, a.divs, a.own_dim) for a in ours] == [
-                    (b.mesh_dim, b.kind, b.divs, b.own_dim) for b in ref
+                    (b.mesh_dim, b.kind, b.divs, b.own_dim) for b in theirs
                 ]
             n += 1
     return n
@@ -71,36 +84,39 @@ EXTRA_2D = ["P(avg)", "P(max)", MP, "NP(2)"]
 
 
 @pytest.mark.parametrize("rank", range(5))
-def test_rule_planner_equals_dtensor_1d_2d(rank):
-    assert _check_rules_equal_dtensor(1, rank, EXTRA_1D) > 0
-    assert _check_rules_equal_dtensor(2, rank, EXTRA_2D) > 0
+def test_rule_planner_equals_dtensor_1d_2d(rank, ref):
+    assert _check_rules_equal_dtensor(ref, 1, rank, EXTRA_1D) > 0
+    assert _check_rules_equal_dtensor(ref, 2, rank, EXTRA_2D) > 0
 
 
 @pytest.mark.parametrize("rank", range(3))
-def test_rule_planner_equals_dtensor_3d(rank):
-    assert _check_rules_equal_dtensor(3, rank, ["P(avg)"]) > 0
+def test_rule_planner_equals_dtensor_3d(rank, ref):
+    assert _check_rules_equal_dtensor(ref, 3, rank, ["P(avg)"]) > 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rank", [3, 4])
-def test_rule_planner_equals_dtensor_3d_large(rank):
+def test_rule_planner_equals_dtensor_3d_large(rank, ref):
     # 3-d, ranks 3 and 4 with a _MaskPartial too: 117k and 262k pairs (about a minute)
-    assert _check_rules_equal_dtensor(3, rank, ["P(avg)", MP]) > 0
+    assert _check_rules_equal_dtensor(ref, 3, rank, ["P(avg)", MP]) > 0
 
 
 def test_plan_avoids_dtensor(monkeypatch):
     # plan() uses the rule-based planner, and the graph planner re-implementation for a
     # decodable _StridedShard: DTensor's planner is only the reference
+    from torch.distributed.tensor import _redistribute
+
     clear_caches()
 
-    def fail(*a):
+    def fail(*a, **k):
         raise AssertionError("DTensor planner called")
 
-    monkeypatch.setattr(rd, "_plan_uncached", fail)
-    assert rd.plan(pp("S(0)RP"), pp("RS(1)R")) is not None
-    steps = rd.plan(pp("SS(0,4)S(0)"), pp("RR"), (2, 4), (64, 64))
+    for name in ("_gen_transform_infos_non_cached", "_gen_transform_infos"):
+        monkeypatch.setattr(_redistribute, name, fail)
+    assert plan(pp("S(0)RP"), pp("RS(1)R")) is not None
+    steps = plan(pp("SS(0,4)S(0)"), pp("RR"), (2, 4), (64, 64))
     assert [(s.mesh_dim, s.kind) for s in steps] == [(0, "all_gather"), (1, "all_gather")]
-    assert rd.plan(pp("SS(0,2)S(0)"), pp("RR"), (2, 4), (64, 64))  # undecodable: greedy
+    assert plan(pp("SS(0,2)S(0)"), pp("RR"), (2, 4), (64, 64))  # undecodable: greedy
 
 
 # --------------------------------------------------------------------------- strided
@@ -108,7 +124,7 @@ def test_plan_avoids_dtensor(monkeypatch):
 
 def _strided_pairs(mesh, toks):
     pls = [normalize_placements(pp("".join(c))) for c in itertools.product(toks, repeat=len(mesh))]
-    is_ss = [any(rd._cat(x) == "SS" for x in p) for p in pls]
+    is_ss = [any(category(x) == "SS" for x in p) for p in pls]
     pairs = [(s, d) for a, s in enumerate(pls) if is_ss[a] for b, d in enumerate(pls) if a != b]
     pairs += [
         (d, s) for a, s in enumerate(pls) if is_ss[a] for b, d in enumerate(pls) if not is_ss[b]
@@ -116,12 +132,12 @@ def _strided_pairs(mesh, toks):
     return pairs
 
 
-def _check_strided_equal_dtensor(mesh, shape, pairs):
+def _check_strided_equal_dtensor(ref, mesh, shape, pairs):
     n_none = 0
     for s, d in pairs:
-        ours = rd._plan_strided(s, d, mesh, shape)
-        ref = rd._plan_uncached(s, d, mesh, shape)
-        assert ours == ref, (s, d, ours, ref)
+        ours = planner.plan_strided(DEFAULT_INTERNER, s, d, mesh, shape)
+        theirs = ref.plan(s, d, mesh, shape)
+        assert ours == theirs, (s, d, ours, theirs)
         n_none += ours is None
     assert 0 < n_none < len(pairs)
 
@@ -133,23 +149,23 @@ TOKS_2X4 = ["R", "S(0)", "S(1)", "P", "P(avg)", "SS(0,4)", "SS(1,4)", "SS(0,2)",
 
 
 @pytest.mark.parametrize("shape", [(64, 48), (7, 4096)])
-def test_strided_planner_equals_dtensor_2x4(shape):
-    _check_strided_equal_dtensor((2, 4), shape, _strided_pairs((2, 4), TOKS_2X4))
+def test_strided_planner_equals_dtensor_2x4(shape, ref):
+    _check_strided_equal_dtensor(ref, (2, 4), shape, _strided_pairs((2, 4), TOKS_2X4))
 
 
-def test_strided_planner_equals_dtensor_2x2x2_sample():
+def test_strided_planner_equals_dtensor_2x2x2_sample(ref):
     pairs = _strided_pairs((2, 2, 2), ["R", "S(0)", "S(1)", "P", "SS(0,2)", "SS(0,4)", "SS(1,2)"])
-    _check_strided_equal_dtensor((2, 2, 2), (16, 16), random.Random(0).sample(pairs, 3000))
+    _check_strided_equal_dtensor(ref, (2, 2, 2), (16, 16), random.Random(0).sample(pairs, 3000))
 
 
 @pytest.mark.slow
-def test_strided_planner_equals_dtensor_2x2x2_all():
+def test_strided_planner_equals_dtensor_2x2x2_all(ref):
     # 173k pairs, about a minute
     pairs = _strided_pairs((2, 2, 2), ["R", "S(0)", "S(1)", "P", "SS(0,2)", "SS(0,4)", "SS(1,2)"])
-    _check_strided_equal_dtensor((2, 2, 2), (16, 16), pairs)
+    _check_strided_equal_dtensor(ref, (2, 2, 2), (16, 16), pairs)
 
 
-def test_strided_planner_equals_dtensor_2x4x8_sample():
+def test_strided_planner_equals_dtensor_2x4x8_sample(ref):
     # placements of the toy model on 2x4x8 (FSDP-style _StridedShards)
     srcs = [
         pp(t)
@@ -166,7 +182,7 @@ def test_strided_planner_equals_dtensor_2x4x8_sample():
     toks = ["R", "S(0)", "S(1)", "S(2)", "P", "P(avg)", "P(max)"]
     dsts = [pp("".join(c)) for c in itertools.product(toks, repeat=3)]
     pairs = [(s, d) for s in srcs for d in random.Random(1).sample(dsts, 15)]
-    _check_strided_equal_dtensor((2, 4, 8), (16, 64, 256, 8), pairs)
+    _check_strided_equal_dtensor(ref, (2, 4, 8), (16, 64, 256, 8), pairs)
 
 
 # --------------------------------------------------------------------------- tables
@@ -218,13 +234,13 @@ def test_pairs_are_planned_once_across_tables(hw, monkeypatch):
     pls = [pp("".join(c)) for c in itertools.product(toks, repeat=3)]
     mesh, shape = (2, 4, 8), (256, 512)
     calls = []
-    orig = rd._TableContext._batch_records
+    orig = tables.TableContext._batch_records
 
     def counting(self, i, j):
         calls.extend(zip((self.norms[k] for k in i), (self.norms[k] for k in j)))
         return orig(self, i, j)
 
-    monkeypatch.setattr(rd._TableContext, "_batch_records", counting)
+    monkeypatch.setattr(tables.TableContext, "_batch_records", counting)
     full = redistribute_table(shape, 2, pls, pls, mesh, hw)
     assert len(calls) == len(pls) ** 2 - len(pls)  # src == dst needs no plan
     assert len(set(calls)) == len(calls)
@@ -241,7 +257,7 @@ def test_pairs_are_planned_once_across_tables(hw, monkeypatch):
     # a 3-d tensor is another context: planned again (once)
     redistribute_table((8, 8, 8), 2, pls[:3], pls[:3] + pls[:3], mesh, hw)
     assert len(calls) == 6
-    ctx = rd._CONTEXTS[(mesh, 2)]
+    ctx = DEFAULT_INTERNER.table_contexts[(mesh, 2)]
     # one record per distinct step sequence (equal ones shared), one step row per step
     assert len(ctx.records) < len(pls) ** 2
     assert len(ctx.step_rows) < len(ctx.records)
@@ -273,7 +289,7 @@ def test_strided_tables(hw):
         _check_table(shape, 2, pls, pls, mesh, hw)
         _check_table(shape, 2, pls[:2], pls[3:], mesh, hw)
     # graph-planned pairs are kept per shape; the others once
-    ctx = rd._CONTEXTS[(mesh, 2)]
+    ctx = DEFAULT_INTERNER.table_contexts[(mesh, 2)]
     assert set(ctx.shape_pair) == {(1024, 4096), (64, 64), (1000, 4096), (4, 4)}
     ids = ctx.intern(pls, "src")
     sp = ctx.shape_pair[(64, 64)][np.ix_(ids, ids)]
@@ -315,7 +331,7 @@ def test_batch_planner_equals_plan(hw):
         pls = [pp("".join(c)) for c in itertools.product(toks, repeat=len(mesh))]
         shape = (12, 40, 6)
         redistribute_table(shape, 2, pls, pls, mesh, hw)
-        ctx = rd._CONTEXTS[(mesh, 3)]
+        ctx = DEFAULT_INTERNER.table_contexts[(mesh, 3)]
         ids = sorted(set(ctx.intern(pls, "src").tolist()))
         pairs = list(itertools.product(ids, ids))
         if len(pairs) > 6000:
@@ -325,7 +341,8 @@ def test_batch_planner_equals_plan(hw):
             r = ctx.pair[a, b]
             if r < 0:
                 continue  # graph-planned
-            steps = rd._plan_normalized(ctx.norms[a], ctx.norms[b], mesh, shape)
+            steps = planner.plan_normalized(DEFAULT_INTERNER, ctx.norms[a], ctx.norms[b], mesh,
+                                            shape)
             assert ctx.records[r] == ctx.steps_record(steps), (ctx.norms[a], ctx.norms[b])
             n += 1
         assert n > 0.5 * len(pairs)
@@ -403,3 +420,38 @@ def test_record_costs_cached_per_shape_dtype_and_hardware(hw):
     a = redistribute_table((64, 128), 2, pls[:5], pls[5:9], mesh, hw)
     b = redistribute_table((64, 128), 2, pls[:5], pls[5:9], mesh, slow_hw)
     assert (a <= b).all() and (a < b).any()
+
+
+# --------------------------------------------------------------------------- interner
+
+
+def test_clear_resets_every_cache(hw):
+    # a private interner used by every entry point fills every cache; clear() leaves it
+    # exactly as fresh as a new one (no pid, plan, context or mesh survives)
+    it = PlacementInterner()
+    mesh = (2, 4)
+    pls = [pp(t) for t in ("RR", "S(0)S(0)", "SS(0,4)S(0)", "PR", "RS(1)", MP + "R", "P(max)R")]
+    before = {k: len(v) for k, v in vars(DEFAULT_INTERNER).items() if isinstance(v, dict)}
+    table = redistribute_table((64, 64), 2, pls, pls, mesh, hw, interner=it)
+    placements_differ(pls, pls, interner=it)
+    assert plan(pp("S(0)RP"), pp("RS(1)R"), interner=it) is not None
+    assert redistribute_us((64, 64), 2, pls[2], pls[0], mesh, hw, interner=it) == table[2, 0]
+    fresh = PlacementInterner()
+    assert set(vars(it)) == set(vars(fresh))
+    for name, value in vars(it).items():
+        if name != "replicate":
+            assert value is not None and value != getattr(fresh, name), f"{name} unused"
+    it.clear()
+    for name, value in vars(it).items():
+        ref = getattr(fresh, name)
+        if isinstance(value, (dict, list)):
+            assert len(value) == len(ref), name
+        else:
+            assert value == ref, name
+    assert it.objs == fresh.objs and it.replicate == 0
+    # the default interner was not touched, and gives the same values
+    after = {k: len(v) for k, v in vars(DEFAULT_INTERNER).items() if isinstance(v, dict)}
+    assert after == before
+    assert np.array_equal(redistribute_table((64, 64), 2, pls, pls, mesh, hw), table)
+    # a cleared interner rebuilds the same table
+    assert np.array_equal(redistribute_table((64, 64), 2, pls, pls, mesh, hw, interner=it), table)
