@@ -96,9 +96,11 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
     "trace": ("pipeline/trace.py", "pipeline/models/*.py"),
     "topology": ("pipeline/topology.py", "pipeline/placements.py"),
     "costs": ("pipeline/costs.py", "pipeline/costmodel/*.py"),
-    "solve": ("pipeline/solve.py", "pipeline/solvers/*.py"),
+    "solve": ("pipeline/solve.py", "pipeline/solvers/*.py", "pipeline/plan.py"),
     "report": ("pipeline/report.py",),
     "paper": ("pipeline/paper.py",),
+    "verify": ("pipeline/verify.py", "pipeline/apply.py", "pipeline/plan.py",
+               "pipeline/cpu_kernels.py"),
 }
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")

@@ -13,7 +13,8 @@ constraints, every candidate strategy (no pruning).
 
 Outputs (in the solve directory): ``solution.parquet`` (one row per node: the
 placements table), ``redistributions.parquet`` (one row per edge whose placements
-differ: the collectives of the plan) and ``run.json`` (the run record, written last).
+differ: the collectives of the plan), ``plan.json`` (the loadable plan file,
+pipeline/plan.py) and ``run.json`` (the run record, written last).
 """
 
 from __future__ import annotations
@@ -348,6 +349,9 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     record["peak_rss_bytes"]["stages_max"] = max(
         [record["peak_rss_bytes"]["max"]] + _stage_rss(dirs))
     record["config"] = OmegaConf.to_container(cfg, resolve=True)
+    from pipeline.plan import PLAN_FILE, plan_of_run, write_plan
+
+    write_plan(out_dir / PLAN_FILE, plan_of_run(cfg, dirs, record, table, tt.nodes["fallback"]))
     runtime.write_json(out_dir / RUN_FILE, record)
     log.info("solve: %s objective %.3f µs bound %.3f gap %.3g status %s", cfg.solver.name,
              record["objective"], record["lower_bound"], record["gap"], record["status"])
