@@ -83,7 +83,9 @@ class CollectiveCounter(CommDebugMode):
 
     ``counts`` maps e.g. ``"all_gather(dp)"`` to the number of functional collective
     calls of that kind on that mesh dim's process group (see the module docstring for
-    the CPU all-to-all). ``get_comm_counts()`` keeps CommDebugMode's own per-op totals.
+    the CPU all-to-all). ``get_comm_counts()`` keeps CommDebugMode's own per-op totals
+    (every collective still goes through ``CommDebugMode.__torch_dispatch__``); other
+    ops skip its per-op tracing tables.
     """
 
     def __init__(self, mesh: Any):
@@ -94,16 +96,21 @@ class CollectiveCounter(CommDebugMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
-        if not isinstance(func, torch._ops.HigherOrderOperator) and not any(
-                t is DTensor for t in types):
-            packet = func._overloadpacket
-            if packet in self.comm_registry:
-                name = packet._qualified_op_name.split("::")[-1]
-                kind = COLLECTIVE_KINDS.get(name, name)
-                if kind == "all_gather" and _inside_cpu_alltoall():
-                    kind = "all_to_all"
-                group = _group_name(func, args, kwargs or {})
-                self.counts[f"{kind}({self.group_dims.get(group, group)})"] += 1
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor desugar into local ops and collectives
+        packet = func._overloadpacket
+        if packet not in self.comm_registry:
+            # Not a collective: skip CommDebugMode's per-op bookkeeping (its operation
+            # lists cost more than the op on these small tensors).
+            return func(*args, **(kwargs or {}))
+        name = packet._qualified_op_name.split("::")[-1]
+        kind = COLLECTIVE_KINDS.get(name, name)
+        if kind == "all_gather" and _inside_cpu_alltoall():
+            kind = "all_to_all"
+        group = _group_name(func, args, kwargs or {})
+        self.counts[f"{kind}({self.group_dims.get(group, group)})"] += 1
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

@@ -315,6 +315,8 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     import torch.multiprocessing as mp
     from omegaconf import OmegaConf
 
+    import pipeline.apply  # noqa: F401 - imported once here, not in every forked process
+    import pipeline.cpu_kernels  # noqa: F401
     from pipeline import runtime
     from pipeline.cli import run_stage
     from pipeline.config import stage_dirs
