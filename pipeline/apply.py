@@ -546,34 +546,72 @@ def distribute_state_dict(state_dict: Mapping[str, Any], mesh: Any, plan: Plan,
     return out
 
 
+#: Ops a parameter passes through on its way to the op that computes with it (casts
+#: and views): the *use* of the parameter is the placement the first of them expects.
+_VIEW_OPS = frozenset({"aten._to_copy.default", "aten.detach.default", "aten.t.default",
+                       "aten.view.default", "aten.transpose.int", "aten._unsafe_view.default",
+                       "aten.permute.default", "aten.expand.default", "aten.clone.default"})
+_TP_STYLES = ("ColwiseParallel", "RowwiseParallel", "SequenceParallel")
+
+
 @dataclasses.dataclass
-class TorchStyles:
-    """A plan in terms of FSDP2 and tensor-parallel styles (:func:`torch_styles`).
+class ModuleStyle:
+    """How one module's parameters are placed, in FSDP2 / tensor-parallel terms.
 
     Attributes:
-        fsdp_dims: mesh dim names ``fully_shard`` shards over (parameters stored Shard(0)
-            and gathered for use), () when the plan stores no parameter that way.
-        replicate_dims: mesh dim names parameters are replicated over (DDP / HSDP's
-            replicate dim).
-        tp_dim: the mesh dim of tensor parallelism, or None.
-        fully_shard: modules to wrap with ``fully_shard(module, mesh=mesh[fsdp_dims])``.
-        parallelize_plan: ``{module fqn: style name}`` (``ColwiseParallel``,
-            ``RowwiseParallel``, ``SequenceParallel``) for ``parallelize_module``.
-        unmatched: ``{module fqn: reason}`` for modules whose placements are none of these.
+        fsdp_dims: mesh dims ``fully_shard`` shards the module over (stored sharded,
+            gathered before use, gradients reduce-scattered).
+        shard_dims: ``{parameter: tensor dim}`` FSDP shards (0 unless FSDP2 needs a
+            ``shard_placement_fn``).
+        replicate_dims: mesh dims the parameters are replicated over (DDP, HSDP).
+        tp_dim, tp_style: the mesh dim and ``parallelize_module`` style, or None.
     """
 
-    fsdp_dims: tuple[str, ...]
-    replicate_dims: tuple[str, ...]
-    tp_dim: str | None
-    fully_shard: list[str]
-    parallelize_plan: dict[str, str]
+    fsdp_dims: tuple[str, ...] = ()
+    shard_dims: dict[str, int] = dataclasses.field(default_factory=dict)
+    replicate_dims: tuple[str, ...] = ()
+    tp_dim: str | None = None
+    tp_style: str | None = None
+
+
+@dataclasses.dataclass
+class TorchStyles:
+    """A plan's parameter placements in terms of FSDP2 and tensor-parallel styles
+    (:func:`torch_styles`).
+
+    Attributes:
+        modules: ``{module fqn: ModuleStyle}`` of every module whose parameters match.
+        unmatched: ``{module fqn: reason}`` for modules whose placements are none of
+            these styles (``""`` is the root module).
+    """
+
+    modules: dict[str, ModuleStyle]
     unmatched: dict[str, str]
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {"modules": {k: dataclasses.asdict(v) for k, v in self.modules.items()},
+                "unmatched": dict(self.unmatched)}
 
-    def parallel_styles(self) -> dict[str, Any]:
-        """``parallelize_plan`` with torch style objects (for ``parallelize_module``)."""
+    def fully_shard_groups(self) -> dict[tuple[str, ...], list[str]]:
+        """``{(replicate dims..., shard dims...): [modules]}``: call
+        ``fully_shard(module, mesh=mesh[dims])`` for each (HSDP when a replicate dim
+        comes first)."""
+        out: dict[tuple[str, ...], list[str]] = {}
+        for name, m in sorted(self.modules.items()):
+            if m.fsdp_dims:
+                out.setdefault(m.replicate_dims + m.fsdp_dims, []).append(name)
+        return out
+
+    def parallelize_plans(self) -> dict[str, dict[str, str]]:
+        """``{tp mesh dim: {module fqn: style name}}`` for ``parallelize_module``."""
+        out: dict[str, dict[str, str]] = {}
+        for name, m in sorted(self.modules.items()):
+            if m.tp_dim is not None and m.tp_style is not None:
+                out.setdefault(m.tp_dim, {})[name] = m.tp_style
+        return out
+
+    def parallel_styles(self, tp_dim: str) -> dict[str, Any]:
+        """The plan of ``tp_dim`` with torch style objects (``parallelize_module``)."""
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             RowwiseParallel,
@@ -582,134 +620,149 @@ class TorchStyles:
 
         make = {"ColwiseParallel": ColwiseParallel, "RowwiseParallel": RowwiseParallel,
                 "SequenceParallel": SequenceParallel}
-        return {k: make[v]() for k, v in self.parallelize_plan.items()}
+        return {k: make[v]() for k, v in self.parallelize_plans().get(tp_dim, {}).items()}
 
 
 def torch_styles(plan: Plan, nodes: Sequence[Any]) -> TorchStyles:
     """Express the plan's parameter placements as FSDP2 / tensor-parallel styles.
 
-    Per parameter and mesh dim, the storage placement is compared with the placement
-    its first forward consumer expects (through casts to the compute dtype):
+    For each parameter and mesh dim the storage placement is compared with the
+    placement it is *used* in: the placement its first forward consumer expects, past
+    casts that keep the storage placement (``_to_copy`` to the compute dtype). Readings:
 
-    * stored ``S(0)``, used ``R``: ``fully_shard`` over that dim (gathered before use,
-      gradient reduce-scattered);
-    * stored ``R``, used ``R``: replicated over that dim (DDP, or HSDP's replicate dim);
-    * stored = used = ``S(0)`` of a 2-d weight ``[out, in]`` (or ``S(1)`` of an embedding
-      table): ``ColwiseParallel``; ``S(1)`` (or ``S(0)`` of an embedding table):
-      ``RowwiseParallel``; a 1-d weight stored and used ``R`` next to sequence-sharded
-      (``S(1)``) activations: ``SequenceParallel``.
+    * stored ``S(k)``, used ``R``: FSDP over that dim (``fully_shard``; ``k != 0`` needs
+      a ``shard_placement_fn``);
+    * stored ``R``, used ``R``: replicated over that dim (DDP, HSDP's replicate dim); a
+      1-d weight of a module whose activations are sequence-sharded (``S(1)``) there
+      is ``SequenceParallel``;
+    * stored = used ``S(d)``: tensor parallel: for a matrix ``[out, in]`` consumed by a
+      matmul ``d = 0`` is ``ColwiseParallel``, ``d = 1`` ``RowwiseParallel``; for an
+      embedding table (consumed by ``aten.embedding``) ``d = 0`` is ``RowwiseParallel``
+      and ``d = 1`` ``ColwiseParallel``;
+    * anything else (used sharded but stored otherwise, a sharded 1-d weight, ...) has
+      no standard style.
 
-    A module matches when every one of its parameters gets the same reading and all
-    modules agree on which mesh dims are FSDP, replicate and TP dims; every other module
-    is listed in ``unmatched`` with the reason.
+    A module matches when all its parameters read the same on every mesh dim and at
+    most one mesh dim is tensor parallel; otherwise it is listed in ``unmatched``.
     """
-    ndim = len(plan.mesh_shape)
     names = plan.mesh_names
-    graph = {n.name: n for n in nodes}
-    users: dict[int, list[Any]] = collections.defaultdict(list)
+    ndim = len(names)
+    idx_of = {n.name: n.idx for n in nodes}
+    by_idx = {n.idx: n for n in nodes}
+    users: dict[int, list[tuple[Any, int]]] = collections.defaultdict(list)
     for n in nodes:
         for k, r in enumerate(n.refs):
             users[r].append((n, k))
     pnode = {n.name: n for n in plan.nodes}
-    idx_of = {n.name: n.idx for n in nodes}
 
-    def use_of(name: str) -> tuple[str, Any] | None:
-        """(placement the first forward compute consumer expects, that consumer)."""
-        frontier = [(name, None)]
-        while frontier:
-            cur, _ = frontier.pop(0)
-            for user, k in sorted(users[idx_of[cur]], key=lambda u: u[0].idx):
-                if user.kind == "output" or user.phase != "fwd":
-                    continue
-                text = pnode[user.name].inputs[k]
-                if user.target in ("aten._to_copy.default", "aten.detach.default") \
-                        and text == pnode[cur].output:
-                    return use_of(user.name) or (text, user)
-                return text, user
-        return None
+    def first_use(name: str) -> tuple[str, Any] | None:
+        """(placement the first forward consumer expects, that consumer)."""
+        fwd = sorted((u for u in users[idx_of[name]] if u[0].kind != "output"
+                      and u[0].phase == "fwd"), key=lambda u: u[0].idx)
+        if not fwd:
+            return None
+        user, k = fwd[0]
+        text = pnode[user.name].inputs[k]
+        if user.target in ("aten._to_copy.default", "aten.detach.default") \
+                and text == pnode[name].output:
+            return first_use(user.name) or (text, user)
+        return text, user
 
-    per_module: dict[str, list[tuple[str, str, tuple, tuple, list[int]]]] = {}
+    def compute_op(user: Any) -> Any:
+        while user is not None and user.target in _VIEW_OPS:
+            nxt = sorted((u[0] for u in users[user.idx] if u[0].phase == "fwd"),
+                         key=lambda u: u.idx)
+            user = nxt[0] if nxt else None
+        return user
+
+    per_module: dict[str, list[tuple[str, list[str]]]] = {}
     for p in plan.parameters:
         module = p.name.rsplit(".", 1)[0] if "." in p.name else ""
-        use = use_of(p.node)
+        use = first_use(p.node)
         stored = plan.placements(p.placement)
         used = plan.placements(use[0]) if use else stored
-        per_module.setdefault(module, []).append((p.name, p.placement, stored, used,
-                                                  list(p.shape)))
-    del graph
-    readings: dict[str, list[str] | str] = {}
-    for module, entries in per_module.items():
-        per_dim: list[set[str]] = [set() for _ in range(ndim)]
-        for _fqn, _text, stored, used, shape in entries:
-            for d in range(ndim):
-                per_dim[d].add(_reading(stored[d], used[d], shape, module))
-        if any(len(s) != 1 for s in per_dim):
-            readings[module] = "parameters of the module are placed differently: " + "; ".join(
-                f"{e[0]} stored {e[1]}" for e in entries)
+        op = compute_op(use[1]) if use else None
+        readings = []
+        for d in range(ndim):
+            r = _reading(stored[d], used[d], list(p.shape), op)
+            if r == "replicate" and len(p.shape) == 1 and op is not None and _seq_sharded(
+                    op, d, pnode, by_idx, plan):
+                r = "SequenceParallel"
+            readings.append(r)
+        per_module.setdefault(module, []).append((p.name, readings))
+
+    modules: dict[str, ModuleStyle] = {}
+    unmatched: dict[str, str] = {}
+    for module, entries in sorted(per_module.items()):
+        label = module
+        first = entries[0][1]
+        kinds = [[_kind(r) for r in rs] for _, rs in entries]
+        if any(k != kinds[0] for k in kinds):
+            unmatched[label] = "its parameters are placed differently: " + "; ".join(
+                f"{fqn}: " + ", ".join(f"{names[d]} {r}" for d, r in enumerate(rs))
+                for fqn, rs in entries)
             continue
-        readings[module] = [next(iter(s)) for s in per_dim]
-    dim_roles: list[set[str]] = [set() for _ in range(ndim)]
-    for r in readings.values():
-        if isinstance(r, list):
-            for d, x in enumerate(r):
-                dim_roles[d].add(_role(x))
-    role_of = []
-    for d in range(ndim):
-        roles = dim_roles[d] - {"replicate"} or dim_roles[d]
-        role_of.append(next(iter(roles)) if len(roles) == 1 else "mixed")
-    fsdp = tuple(names[d] for d in range(ndim) if role_of[d] == "fsdp")
-    rep = tuple(names[d] for d in range(ndim) if role_of[d] == "replicate")
-    tp = [names[d] for d in range(ndim) if role_of[d] == "tp"]
-    tp_dim = tp[0] if len(tp) == 1 else None
-    fully, styles, unmatched = [], {}, {}
-    for module, r in sorted(readings.items()):
-        label = module or "<root>"
-        if isinstance(r, str):
-            unmatched[label] = r
+        other = [f"mesh dim {names[d]}: {r}" for d, r in enumerate(first)
+                 if r.startswith("other")]
+        tp = [d for d, r in enumerate(first) if r in _TP_STYLES]
+        styles = {first[d] for d in tp} | {rs[d] for _, rs in entries for d in tp}
+        if other:
+            unmatched[label] = "; ".join(other)
             continue
-        bad = [f"mesh dim {names[d]}: {x}" for d, x in enumerate(r)
-               if _role(x) not in (role_of[d], "replicate") or x.startswith("other")]
         if len(tp) > 1:
-            bad.append("tensor parallelism over more than one mesh dim (" + ",".join(tp) + ")")
-        if bad:
-            unmatched[label] = "; ".join(bad)
+            unmatched[label] = ("tensor parallel over more than one mesh dim ("
+                                + ", ".join(names[d] for d in tp) + ")")
             continue
-        if any(_role(x) == "fsdp" for x in r):
-            fully.append(label)
-        for x in r:
-            if _role(x) == "tp":
-                styles[label] = x
-    return TorchStyles(fsdp_dims=fsdp, replicate_dims=rep, tp_dim=tp_dim, fully_shard=fully,
-                       parallelize_plan=styles, unmatched=unmatched)
+        if len(styles) > 1:
+            unmatched[label] = "its parameters need different tensor-parallel styles: " + \
+                ", ".join(sorted(styles))
+            continue
+        shard_dims = {fqn: int(rs_d.split(":")[1]) for fqn, rs in entries
+                      for rs_d in rs if rs_d.startswith("fsdp:")}
+        modules[label] = ModuleStyle(
+            fsdp_dims=tuple(names[d] for d, r in enumerate(first) if r.startswith("fsdp")),
+            shard_dims=shard_dims,
+            replicate_dims=tuple(names[d] for d, r in enumerate(first) if r == "replicate"),
+            tp_dim=names[tp[0]] if tp else None, tp_style=first[tp[0]] if tp else None)
+    return TorchStyles(modules=modules, unmatched=unmatched)
 
 
-def _role(reading: str) -> str:
-    if reading in ("ColwiseParallel", "RowwiseParallel", "SequenceParallel"):
-        return "tp"
+def _kind(reading: str) -> str:
     return reading.split(":")[0]
 
 
-def _reading(stored: Any, used: Any, shape: list[int], module: str) -> str:
-    """One parameter on one mesh dim: fsdp | replicate | a TP style | other: why."""
+def _reading(stored: Any, used: Any, shape: list[int], op: Any) -> str:
+    """One parameter on one mesh dim: ``fsdp:<dim>``, ``replicate``, a TP style, or
+    ``other: <why>``."""
     s, u = format_placements((stored,)), format_placements((used,))
     if s == "R" and u == "R":
         return "replicate"
     if stored.is_shard() and u == "R":
-        if stored.dim % max(len(shape), 1) == 0:
-            return "fsdp"
-        return f"other: stored {s} and gathered for use (FSDP2 shards dim 0)"
-    if s == u and stored.is_shard():
-        d = stored.dim % max(len(shape), 1)
-        is_embedding = module.endswith(("embeddings", "embed_tokens", "wte", "wpe", "embed"))
-        if len(shape) == 2:
-            if is_embedding:
-                return "RowwiseParallel" if d == 0 else "ColwiseParallel"
+        return f"fsdp:{stored.dim % max(len(shape), 1)}"
+    if s == u and stored.is_shard() and len(shape) == 2:
+        d = stored.dim % 2
+        if op is not None and op.target == "aten.embedding.default":
+            return "RowwiseParallel" if d == 0 else "ColwiseParallel"
+        if op is not None and op.target in ("aten.mm.default", "aten.addmm.default",
+                                            "aten.bmm.default", "aten.linear.default"):
             return "ColwiseParallel" if d == 0 else "RowwiseParallel"
-        if len(shape) == 1:
-            return "ColwiseParallel"
+        return f"other: stored and used {s}, consumed by {getattr(op, 'target', None)}"
     return f"other: stored {s}, used {u}"
 
 
-__all__ = ["COLLECTIVE_KINDS", "CollectiveCounter", "PlacementMismatchError", "StepResult",
-           "TorchStyles", "distribute_full", "distribute_state_dict", "resolve_target",
-           "run_step", "state_dict_layout", "torch_styles"]
+def _seq_sharded(op: Any, d: int, pnode: Mapping[str, Any], by_idx: Mapping[int, Any],
+                 plan: Plan) -> bool:
+    """Whether the 3-d activations ``op`` combines a 1-d weight with are sharded on the
+    sequence dim (``S(1)``) on mesh dim ``d``."""
+    expected = pnode[op.name].inputs
+    for k, r in enumerate(op.refs):
+        meta = by_idx[r].outputs[0] if by_idx[r].outputs else None
+        if meta is not None and len(meta["shape"]) == 3 and k < len(expected):
+            if format_placements((plan.placements(expected[k])[d],)) == "S(1)":
+                return True
+    return False
+
+
+__all__ = ["COLLECTIVE_KINDS", "CollectiveCounter", "ModuleStyle", "PlacementMismatchError",
+           "StepResult", "TorchStyles", "distribute_full", "distribute_state_dict",
+           "resolve_target", "run_step", "state_dict_layout", "torch_styles"]
