@@ -46,6 +46,7 @@ import collections
 import dataclasses
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -623,7 +624,27 @@ class TorchStyles:
         return {k: make[v]() for k, v in self.parallelize_plans().get(tp_dim, {}).items()}
 
 
-def torch_styles(plan: Plan, nodes: Sequence[Any]) -> TorchStyles:
+def run_graph(plan: Plan) -> Any:
+    """The graph IR table of the run a plan file sits in (``graph.parquet`` in a parent
+    directory of the plan, the run's trace directory), checked against the plan's
+    trace hash.
+
+    Raises:
+        PlanError: no ``graph.parquet`` above the plan, or one of another trace.
+    """
+    from pipeline.plan import check_graph
+    from pipeline.trace import GRAPH_FILE, read_graph
+
+    for parent in Path(plan.path).resolve().parents:
+        if (parent / GRAPH_FILE).exists():
+            table, _ = read_graph(parent)
+            check_graph(plan, table)
+            return table
+    raise PlanError(f"plan={plan.path}: no {GRAPH_FILE} in a parent directory; pass the "
+                    "graph IR of the run's trace stage")
+
+
+def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
     """Express the plan's parameter placements as FSDP2 / tensor-parallel styles.
 
     For each parameter and mesh dim the storage placement is compared with the
@@ -644,7 +665,15 @@ def torch_styles(plan: Plan, nodes: Sequence[Any]) -> TorchStyles:
 
     A module matches when all its parameters read the same on every mesh dim and at
     most one mesh dim is tensor parallel; otherwise it is listed in ``unmatched``.
+    Only parameter placements are compared: the activation layouts a style implies
+    (``ColwiseParallel``'s replicated input, ...) are the plan's when it matches, but
+    are not checked here. ``nodes``: the decoded graph IR; default the run's
+    (:func:`run_graph`).
     """
+    if nodes is None:
+        from pipeline.topology import load_nodes
+
+        nodes = load_nodes(run_graph(plan))
     names = plan.mesh_names
     ndim = len(names)
     idx_of = {n.name: n.idx for n in nodes}
@@ -765,4 +794,4 @@ def _seq_sharded(op: Any, d: int, pnode: Mapping[str, Any], by_idx: Mapping[int,
 
 __all__ = ["COLLECTIVE_KINDS", "CollectiveCounter", "ModuleStyle", "PlacementMismatchError",
            "StepResult", "TorchStyles", "distribute_full", "distribute_state_dict",
-           "resolve_target", "run_step", "state_dict_layout", "torch_styles"]
+           "resolve_target", "run_graph", "run_step", "state_dict_layout", "torch_styles"]
