@@ -298,9 +298,13 @@ def run_step(nodes: Sequence[Any], plan: Plan, mesh: Any, *, params: Mapping[str
             plan, could not run a node, or a given DTensor is not in its planned
             placement.
     """
-    from pipeline.plan import check_mesh
+    import torch.distributed as dist
+
+    from pipeline.plan import check_mesh, check_world_size
 
     check_mesh(plan, mesh)
+    if dist.is_initialized():
+        check_world_size(plan, dist.get_world_size())
     ndim = mesh.ndim
     decode = _Decoder(mesh.device_type, compute_dtype)
     by_name = {n.name: n for n in plan.nodes}

@@ -6,11 +6,12 @@ training code, :mod:`pipeline.apply` and :mod:`pipeline.verify` read it back wit
 short (version 1):
 
 * ``format`` (``"sharding-plan"``), ``version`` (:data:`PLAN_VERSION`);
-* ``run_id``, ``config_hash`` (the solve directory's key), ``model`` (``name`` and
+* ``run_id``, ``config_hash`` (the solve directory's key), ``model`` (``name``,
   ``hash``: SHA-256 over every parameter and buffer's name, shape and dtype, see
-  :func:`model_hash`), ``trace_hash`` (SHA-256 over the graph IR rows, see
-  :func:`trace_hash`) and ``placement_hash`` (the run record's, over every node's
-  output and input placements: :func:`pipeline.solve.placement_hash`);
+  :func:`model_hash`, and ``config``: the resolved model config), ``trace_hash``
+  (SHA-256 over the graph IR rows, see :func:`trace_hash`) and ``placement_hash``
+  (the run record's, over every node's output and input placements:
+  :func:`pipeline.solve.placement_hash`);
 * ``mesh``: ``shape`` and dim ``names``;
 * ``parameters`` / ``buffers``: per tensor its ``fqn``, the graph ``node`` (placeholder),
   ``shape``, ``dtype`` and storage ``placement``;
@@ -112,7 +113,8 @@ def trace_hash(table: Any) -> str:
 
 def build_plan(*, graph_table: Any, nodes: Sequence[Any], solution: Any, record: dict[str, Any],
                mesh_shape: Sequence[int], mesh_names: Sequence[str], config_hash: str,
-               fallback: Sequence[bool] | None = None) -> dict[str, Any]:
+               fallback: Sequence[bool] | None = None,
+               model_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """The plan document of a solved run.
 
     Args:
@@ -124,6 +126,7 @@ def build_plan(*, graph_table: Any, nodes: Sequence[Any], solution: Any, record:
         mesh_shape, mesh_names: the device mesh.
         config_hash: the key of the solve directory.
         fallback: per solution row, whether the node had no DTensor strategy.
+        model_config: the resolved ``model`` config the trace was made from.
     """
     sol = solution.to_pydict()
     names, outs, ins = sol["name"], sol["output_placement"], sol["input_placements"]
@@ -168,7 +171,8 @@ def build_plan(*, graph_table: Any, nodes: Sequence[Any], solution: Any, record:
     return {
         "format": PLAN_FORMAT, "version": PLAN_VERSION,
         "run_id": record["run_id"], "config_hash": config_hash,
-        "model": {"name": record.get("model"), "hash": model_hash_of_graph(nodes)},
+        "model": {"name": record.get("model"), "hash": model_hash_of_graph(nodes),
+                  "config": model_config},
         "trace_hash": trace_hash(graph_table),
         "placement_hash": record["placement_hash"],
         "mesh": {"shape": [int(s) for s in mesh_shape], "names": [str(m) for m in mesh_names]},
@@ -182,6 +186,8 @@ def plan_of_run(cfg: Any, dirs: Any, record: dict[str, Any], solution: Any,
                 fallback: Sequence[bool] | None = None) -> dict[str, Any]:
     """:func:`build_plan` for a resolved config and its stage directories (the solve
     stage calls this once ``solution.parquet`` is known)."""
+    from omegaconf import OmegaConf
+
     from pipeline.config import config_hash, stage_keys
     from pipeline.topology import load_nodes
     from pipeline.trace import read_graph
@@ -190,7 +196,8 @@ def plan_of_run(cfg: Any, dirs: Any, record: dict[str, Any], solution: Any,
     return build_plan(graph_table=table, nodes=load_nodes(table), solution=solution,
                       record=record, mesh_shape=list(cfg.mesh),
                       mesh_names=list(cfg.mesh_names),
-                      config_hash=config_hash(stage_keys(cfg, "solve")), fallback=fallback)
+                      config_hash=config_hash(stage_keys(cfg, "solve")), fallback=fallback,
+                      model_config=OmegaConf.to_container(cfg.model, resolve=True))
 
 
 def write_plan(path: Path | str, plan: dict[str, Any]) -> None:
@@ -235,6 +242,7 @@ class Plan:
     config_hash: str
     model_name: str | None
     model_hash: str
+    model_config: dict[str, Any] | None
     trace_hash: str
     placement_hash: str
     mesh_shape: tuple[int, ...]
@@ -401,7 +409,8 @@ def _parse(doc: Any, where: str, path: Path) -> Plan:
     return Plan(
         path=path, version=version, run_id=str(doc["run_id"]),
         config_hash=str(doc["config_hash"]), model_name=model.get("name"),
-        model_hash=model["hash"], trace_hash=str(doc["trace_hash"]),
+        model_hash=model["hash"], model_config=model.get("config"),
+        trace_hash=str(doc["trace_hash"]),
         placement_hash=str(doc["placement_hash"]),
         mesh_shape=tuple(shape), mesh_names=tuple(names),
         parameters=tensors("parameters", "fqn"), buffers=tensors("buffers", "fqn"),
@@ -539,6 +548,21 @@ def check_model(plan: Plan, model: Any) -> None:
             f"plan={plan.path}: model hash {plan.model_hash} (model {plan.model_name}) does "
             f"not match the model being applied ({got}): the plan belongs to another model "
             "(parameter names, shapes or dtypes differ)")
+
+
+def check_model_config(plan: Plan, model_config: dict[str, Any]) -> None:
+    """Fail unless the plan was traced from ``model_config`` (the resolved ``model``
+    config), naming the first key that differs; a plan without a recorded config
+    passes (its model and trace hashes are checked instead)."""
+    if plan.model_config is None:
+        return
+    for key in sorted(set(plan.model_config) | set(model_config)):
+        mine, theirs = plan.model_config.get(key), model_config.get(key)
+        if mine != theirs:
+            raise PlanFileError(
+                f"plan={plan.path}: model.{key}={json.dumps(mine)} in the plan, "
+                f"{json.dumps(theirs)} in the config being applied: the plan belongs to "
+                "another model config")
 
 
 def check_graph(plan: Plan, graph: Any) -> None:

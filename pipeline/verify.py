@@ -285,7 +285,7 @@ def check_inputs(cfg: Any, plan_path: Path | None, nproc: int | None) -> Any:
     Returns the loaded plan or None.
     """
     from pipeline.models.llama import build_model
-    from pipeline.plan import check_world_size, load, model_hash_of_module
+    from pipeline.plan import check_model_config, check_world_size, load, model_hash_of_module
 
     world = math.prod(int(s) for s in cfg.mesh)
     if nproc is not None and nproc != world:
@@ -296,9 +296,10 @@ def check_inputs(cfg: Any, plan_path: Path | None, nproc: int | None) -> Any:
         return None
     from omegaconf import OmegaConf
 
-    model = build_model(OmegaConf.to_container(cfg.model, resolve=True))
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     plan = load(plan_path, mesh=tuple(int(s) for s in cfg.mesh),
-                model=model_hash_of_module(model))
+                model=model_hash_of_module(build_model(model_cfg)))
+    check_model_config(plan, model_cfg)
     check_world_size(plan, world if nproc is None else nproc)
     return plan
 

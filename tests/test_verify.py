@@ -275,11 +275,15 @@ def test_bad_plan_edited_to_an_illegal_placement(results: Path, plan_2x2: Path,
     assert "Shard(3)" in line and "allowed S(d) with 0 <= d < 1" in line
 
 
-def test_bad_plan_of_another_model(results: Path, plan_2x2: Path,
+@pytest.mark.parametrize(("change", "expect"), [
+    ("model.dim=64", "does not match the model being applied"),  # other parameter shapes
+    ("model.batch_size=16", "model.batch_size=8 in the plan, 16 in the config being applied"),
+])
+def test_bad_plan_of_another_model(results: Path, plan_2x2: Path, change: str, expect: str,
                                    capsys: pytest.CaptureFixture) -> None:
-    argv = [*_overrides(results, "2x2", "default", "model.dim=64"), "--plan", str(plan_2x2)]
+    argv = [*_overrides(results, "2x2", "default", change), "--plan", str(plan_2x2)]
     line = _bad_input(results, argv, capsys, results)
-    assert "does not match the model being applied" in line and "model toy" in line
+    assert expect in line and "another model" in line
 
 
 def test_bad_plan_of_another_mesh(results: Path, plan_2x2: Path,
