@@ -321,7 +321,8 @@ def run_step(nodes: Sequence[Any], plan: Plan, mesh: Any, *, params: Mapping[str
     redistributions = 0
     peak = 0
     checked = 0
-    tangent_seen = False
+    input_position = {n.idx: k for k, n in enumerate(
+        m for m in graph if m.kind == "placeholder" and m.role == "input")}
 
     def comm_total() -> int:
         return sum(counter.counts.values()) if counter is not None else 0
@@ -346,17 +347,14 @@ def run_step(nodes: Sequence[Any], plan: Plan, mesh: Any, *, params: Mapping[str
         return value
 
     def placeholder(n: Any, pn: Any) -> Any:
-        nonlocal tangent_seen
         if n.role == "param":
             src = params.get(n.fqn)
         elif n.role == "buffer":
             src = buffers.get(n.fqn)
         elif n.role == "input":
-            k = sum(1 for m in graph[: graph.index(n)] if m.kind == "placeholder"
-                    and m.role == "input")
+            k = input_position[n.idx]
             src = inputs[k] if k < len(inputs) else None
         else:  # the tangent of the loss: d loss / d loss = 1
-            tangent_seen = True
             meta = n.outputs[0]
             src = torch.ones(meta["shape"], dtype=decode.dtype(meta["dtype"]))
         if src is None:
@@ -463,7 +461,6 @@ def run_step(nodes: Sequence[Any], plan: Plan, mesh: Any, *, params: Mapping[str
             loss = value
     if loss is None:
         raise PlacementMismatchError("the graph output holds no loss")
-    del tangent_seen
     counts = {}
     if counter is not None:
         counts = {k: v - before.get(k, 0) for k, v in sorted(counter.counts.items())

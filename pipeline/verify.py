@@ -83,6 +83,7 @@ def build_real_model(model_cfg: dict[str, Any], seed: int, param_dtype: str = "f
 
     from pipeline.models.llama import ModelConfig, Transformer
 
+    check_model_family(model_cfg)
     fields = {k: model_cfg[k] for k in ModelConfig.__dataclass_fields__ if k in model_cfg}
     fields["param_dtype"] = param_dtype
     with torch.device("cpu"):
@@ -95,6 +96,23 @@ def build_real_model(model_cfg: dict[str, Any], seed: int, param_dtype: str = "f
             else:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
     return model
+
+
+def check_model_family(model_cfg: dict[str, Any]) -> None:
+    """Fail (one line) for a model config that is not the built-in LLaMA family: its
+    real-weight builder is :func:`build_real_model`, the other families' builders
+    build on meta only.
+
+    Raises:
+        VerifyUsageError: the config has keys ``ModelConfig`` does not know.
+    """
+    from pipeline.models.llama import ModelConfig
+
+    extra = sorted(set(model_cfg) - set(ModelConfig.__dataclass_fields__))
+    if extra:
+        raise VerifyUsageError(
+            f"model.{extra[0]}={model_cfg[extra[0]]!r}: verify builds real weights for the "
+            "built-in llama family only (model=toy|llama1b|llama8b|llama70b)")
 
 
 def real_inputs(model_cfg: dict[str, Any], seed: int) -> list[Any]:
@@ -284,9 +302,12 @@ def check_inputs(cfg: Any, plan_path: Path | None, nproc: int | None) -> Any:
 
     Returns the loaded plan or None.
     """
+    from omegaconf import OmegaConf
+
     from pipeline.models.llama import build_model
     from pipeline.plan import check_model_config, check_world_size, load, model_hash_of_module
 
+    check_model_family(OmegaConf.to_container(cfg.model, resolve=True))
     world = math.prod(int(s) for s in cfg.mesh)
     if nproc is not None and nproc != world:
         raise VerifyUsageError(
@@ -294,8 +315,6 @@ def check_inputs(cfg: Any, plan_path: Path | None, nproc: int | None) -> Any:
             f"allowed exactly {world} processes (one per device)")
     if plan_path is None:
         return None
-    from omegaconf import OmegaConf
-
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     plan = load(plan_path, mesh=tuple(int(s) for s in cfg.mesh),
                 model=model_hash_of_module(build_model(model_cfg)))
