@@ -25,7 +25,9 @@ rounding. Written (atomically) to ``verify.json`` beside the plan:
   the ``collectives`` column of ``redistributions.parquet`` (one entry per
   redistribution step); passes when they are equal and no op redistributed on its own;
 * ``memory``: peak bytes of live local tensors per rank, beside the plan's predicted
-  bytes per device when the run record has a memory model (else null).
+  bytes per device when the run record has a memory model (else null);
+* ``styles``: the plan read as FSDP2 / tensor-parallel styles
+  (:func:`pipeline.apply.torch_styles`).
 
 Exit status: 0 the plan verified; 1 it did not (``verify.json`` says why) or a
 process failed; 2 bad input (one line on stderr, nothing written): a bad override or
@@ -370,6 +372,13 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
         spawned = time.perf_counter() - start
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
     record = _record(cfg, plan, ranks, planned, planned_source, seed, Path(dirs.solve))
+    from pipeline.apply import torch_styles
+
+    styles = torch_styles(plan, nodes)
+    record["styles"] = {"fully_shard": {",".join(k): v for k, v in
+                                        styles.fully_shard_groups().items()},
+                        "parallelize_module": styles.parallelize_plans(),
+                        "unmatched": styles.unmatched}
     record["seconds"] = {"prepare": prepared, "processes": spawned,
                          "total": time.perf_counter() - started,
                          "rank0": ranks[0].get("seconds", {})}
