@@ -666,10 +666,10 @@ def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
 
     A module matches when all its parameters read the same on every mesh dim and at
     most one mesh dim is tensor parallel; otherwise it is listed in ``unmatched``.
-    Only parameter placements are compared: the activation layouts a style implies
-    (``ColwiseParallel``'s replicated input, ...) are the plan's when it matches, but
-    are not checked here. ``nodes``: the decoded graph IR; default the run's
-    (:func:`run_graph`).
+    For a matmul weight the activations must follow the style too (ColwiseParallel:
+    replicated input, output sharded on its last dim; RowwiseParallel: input sharded on
+    its last dim, partial-sum output, which the consumer all-reduces or reduce-scatters).
+    ``nodes``: the decoded graph IR; default the run's (:func:`run_graph`).
     """
     if nodes is None:
         from pipeline.topology import load_nodes
@@ -698,12 +698,33 @@ def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
             return first_use(user.name) or (text, user)
         return text, user
 
-    def compute_op(user: Any) -> Any:
+    def compute_op(user: Any) -> tuple[Any, int | None]:
+        """(the first op past casts and views, the position of the weight's branch among
+        its tensor arguments)."""
+        prev = None
         while user is not None and user.target in _VIEW_OPS:
             nxt = sorted((u[0] for u in users[user.idx] if u[0].phase == "fwd"),
                          key=lambda u: u.idx)
-            user = nxt[0] if nxt else None
-        return user
+            prev, user = user, (nxt[0] if nxt else None)
+        if user is None:
+            return None, None
+        pos = user.refs.index(prev.idx) if prev is not None and prev.idx in user.refs else None
+        return user, pos
+
+    def layouts_ok(style: str, op: Any, pos: int | None, d: int) -> str | None:
+        """Why the activations of a matmul do not follow ``style`` on mesh dim ``d``, or
+        None: ColwiseParallel takes a replicated input and gives an output sharded on its
+        last dim; RowwiseParallel takes an input sharded on its last dim and gives a
+        partial sum."""
+        if op is None or pos is None or op.target != "aten.mm.default" or len(op.refs) != 2:
+            return None
+        act = format_placements((plan.placements(pnode[op.name].inputs[1 - pos])[d],))
+        out = format_placements((plan.placements(pnode[op.name].output)[d],))
+        if style == "ColwiseParallel" and (act != "R" or out != "S(1)"):
+            return f"other: a column-sharded weight with input {act} and output {out}"
+        if style == "RowwiseParallel" and (act != "S(1)" or out != "P"):
+            return f"other: a row-sharded weight with input {act} and output {out}"
+        return None
 
     per_module: dict[str, list[tuple[str, list[str]]]] = {}
     for p in plan.parameters:
@@ -711,13 +732,15 @@ def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
         use = first_use(p.node)
         stored = plan.placements(p.placement)
         used = plan.placements(use[0]) if use else stored
-        op = compute_op(use[1]) if use else None
+        op, pos = compute_op(use[1]) if use else (None, None)
         readings = []
         for d in range(ndim):
             r = _reading(stored[d], used[d], list(p.shape), op)
             if r == "replicate" and len(p.shape) == 1 and op is not None and _seq_sharded(
                     op, d, pnode, by_idx, plan):
                 r = "SequenceParallel"
+            if r in ("ColwiseParallel", "RowwiseParallel"):
+                r = layouts_ok(r, op, pos, d) or r
             readings.append(r)
         per_module.setdefault(module, []).append((p.name, readings))
 
