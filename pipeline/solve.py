@@ -339,6 +339,9 @@ def run_solve(cfg: Any, dirs: Any) -> None:
                                         budget)
         if presolve is not None:  # absent, not null: runs.parquet then has no null column
             record["presolve"] = presolve
+        from pipeline.plan import PLAN_FILE, plan_of_run, write_plan
+
+        plan = plan_of_run(cfg, dirs, record, table, tt.nodes["fallback"])
     record["phases"]["report"] = timer.seconds["report"]
     runtime.write_parquet(out_dir / REDISTRIBUTIONS_FILE, redist,
                           metadata={"run_id": record["run_id"]})
@@ -349,9 +352,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     record["peak_rss_bytes"]["stages_max"] = max(
         [record["peak_rss_bytes"]["max"]] + _stage_rss(dirs))
     record["config"] = OmegaConf.to_container(cfg, resolve=True)
-    from pipeline.plan import PLAN_FILE, plan_of_run, write_plan
-
-    write_plan(out_dir / PLAN_FILE, plan_of_run(cfg, dirs, record, table, tt.nodes["fallback"]))
+    write_plan(out_dir / PLAN_FILE, plan)
     runtime.write_json(out_dir / RUN_FILE, record)
     log.info("solve: %s objective %.3f µs bound %.3f gap %.3g status %s", cfg.solver.name,
              record["objective"], record["lower_bound"], record["gap"], record["status"])

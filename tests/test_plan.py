@@ -233,7 +233,8 @@ def test_state_dict_layout_covers_the_state_dict_and_tied_names(run) -> None:
             self.lm_head.weight = self.wte.weight
 
     tied = Plan(path=Path("t.json"), version=1, run_id="r", config_hash="c", model_name="t",
-                model_hash="h", trace_hash="t", placement_hash="p", mesh_shape=(2,),
+                model_hash="h", model_config=None, trace_hash="t", placement_hash="p",
+                mesh_shape=(2,),
                 mesh_names=("dp",), parameters=(TensorPlan("wte.weight", "primals_1", (8, 4),
                                                            "float32", "S(0)"),),
                 buffers=(), inputs=(), outputs=(), model_output=None, nodes=(),
