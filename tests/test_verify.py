@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from pipeline.config import load_resolved, stage_dirs
 
@@ -127,9 +128,10 @@ def test_reference_is_the_models_own_step(results: Path) -> None:
     done = Path(dirs.solve) / "verify.json"
     record = json.loads(done.read_text()) if done.exists() else verify(cfg)
     model_cfg = dict(cfg.model)
-    with cpu_kernels():
+    with cpu_kernels(), torch.no_grad():
         loss = build_real_model(model_cfg, 0)(*real_inputs(model_cfg, 0))
-    assert float(loss) == record["loss"]["reference"]
+    # the same computation; the worker runs one thread, this process maybe more
+    assert float(loss) == pytest.approx(record["loss"]["reference"], rel=1e-6)
     # A random-init LM over 64 tokens starts near log(64).
     assert abs(float(loss) - 4.1589) < 0.7
 
