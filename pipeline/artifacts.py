@@ -22,6 +22,8 @@ costs     ``costs.json``              resolved cost model, counts, the budget,
 solve     ``model.mps``               ilp / lp only: the program that was solved
 solve     ``solution.parquet``        one row per node: chosen placements, costs
 solve     ``redistributions.parquet`` one row per edge whose placements differ
+solve     ``plan.json``               the plan in a loadable, versioned form
+                                      (pipeline/plan.py, docs/plan.md)
 solve     ``run.json``                the run record (sentinel)
 report    ``runs.parquet``            one row per run record under ``runs/``
 report    ``placements.parquet``      the union of every ``solution.parquet``
@@ -92,6 +94,7 @@ SOLUTION = Artifact("solution.parquet", "solve", 1, "pipeline.solve.run_solve",
                     "pipeline.report.run_report")
 REDISTRIBUTIONS = Artifact("redistributions.parquet", "solve", 1,
                            "pipeline.solve.redistribution_table", "pipeline.report.run_report")
+PLAN = Artifact("plan.json", "solve", 1, "pipeline.plan.write_plan", "pipeline.plan.load")
 RUN = Artifact("run.json", "solve", 1, "pipeline.solve.run_solve",
                "pipeline.report.run_rows")
 RUNS = Artifact("runs.parquet", "report", 1, "pipeline.report.run_report",
@@ -103,7 +106,7 @@ REPORT_REDISTRIBUTIONS = Artifact("redistributions.parquet", "report", 1,
 #: Every artifact, in stage order.
 ARTIFACTS: tuple[Artifact, ...] = (
     GRAPH, NODES, STRATEGIES, EDGES, TOPOLOGY, FACTORS, COSTS, MODEL_MPS, SOLUTION,
-    REDISTRIBUTIONS, RUN, RUNS, PLACEMENTS, REPORT_REDISTRIBUTIONS)
+    REDISTRIBUTIONS, PLAN, RUN, RUNS, PLACEMENTS, REPORT_REDISTRIBUTIONS)
 
 # File names, for the modules that join them to a directory themselves.
 GRAPH_FILE = GRAPH.name
@@ -116,6 +119,7 @@ COSTS_FILE = COSTS.name
 MODEL_MPS_FILE = MODEL_MPS.name
 SOLUTION_FILE = SOLUTION.name
 REDISTRIBUTIONS_FILE = REDISTRIBUTIONS.name
+PLAN_FILE = PLAN.name
 RUN_FILE = RUN.name
 RUNS_FILE = RUNS.name
 PLACEMENTS_FILE = PLACEMENTS.name

@@ -22,8 +22,9 @@ stage (pipeline/breakdown.py); this stage solves and records.
 
 Outputs (in the solve directory): ``solution.parquet`` (one row per node: the
 placements table), ``redistributions.parquet`` (one row per edge whose placements
-differ: the collectives of the plan) and ``run.json`` (the run record, written last);
-names and schema versions in pipeline/artifacts.py.
+differ: the collectives of the plan), ``plan.json`` (the loadable plan file,
+pipeline/plan.py) and ``run.json`` (the run record, written last); names and schema
+versions in pipeline/artifacts.py.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import pyarrow as pa
 from pipeline import artifacts, progress, runtime
 from pipeline.artifacts import (  # noqa: F401 - file names, re-exported
     GRAPH,
+    PLAN,
     REDISTRIBUTIONS,
     REDISTRIBUTIONS_FILE,
     RUN,
@@ -53,6 +55,7 @@ from pipeline.artifacts import (  # noqa: F401 - file names, re-exported
 )
 from pipeline.breakdown import plan_breakdown
 from pipeline.costs import Costs, group_structure, load_costs
+from pipeline.plan import plan_of_run, write_plan
 from pipeline.topology import TopologyTables, read_topology
 
 log = logging.getLogger(__name__)
@@ -271,6 +274,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
                                         _upstream_seconds(upstream))
         if presolve is not None:  # absent, not null: runs.parquet then has no null column
             record["presolve"] = presolve
+        plan = plan_of_run(cfg, dirs, record, table, topology.nodes["fallback"])
     record["phases"]["report"] = timer.seconds["report"]
     artifacts.write_table(REDISTRIBUTIONS, out_dir, redist, metadata={"run_id": record["run_id"]})
     artifacts.write_table(SOLUTION, out_dir, table,
@@ -282,6 +286,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
         [record["peak_rss_bytes"]["max"]]
         + [int(r.get("peak_rss_bytes", {}).get("max", 0)) for r in upstream])
     record["config"] = OmegaConf.to_container(cfg, resolve=True)
+    write_plan(PLAN.path(out_dir), plan)
     artifacts.write_json(RUN, out_dir, record)
     log.info("solve: %s objective %.3f µs bound %.3f gap %.3g status %s", cfg.solver.name,
              record["objective"], record["lower_bound"], record["gap"], record["status"])

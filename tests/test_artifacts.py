@@ -50,7 +50,7 @@ def test_stage_outputs_by_cost_mode() -> None:
     assert names[True] == ["costs.json"]
     assert names[False] == ["factors.npz", "costs.json"]  # sentinel last
     assert [a.name for a in artifacts.stage_outputs("solve", True)] == [
-        "solution.parquet", "redistributions.parquet", "run.json"]  # no model.mps
+        "solution.parquet", "redistributions.parquet", "plan.json", "run.json"]  # no model.mps
     assert [a.name for a in artifacts.stage_outputs("topology", True)] == [
         "nodes.parquet", "strategies.parquet", "edges.parquet", "topology.json"]
     assert [a.name for a in artifacts.stage_outputs("report", False)] == [

@@ -30,9 +30,11 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
               "pipeline/budget.py", "pipeline/artifacts.py"),
     # breakdown.py is cost-model code run by solve (the record's cost parts)
     "solve": ("pipeline/solve.py", "pipeline/solvers/**/*.py", "pipeline/breakdown.py",
-              "pipeline/artifacts.py"),
+              "pipeline/artifacts.py", "pipeline/plan.py", "pipeline/costmodel/**/*.py"),
     "report": ("pipeline/report.py", "pipeline/artifacts.py"),
     "paper": ("pipeline/paper.py", "pipeline/paper/**/*.py"),
+    "verify": ("pipeline/verify.py", "pipeline/apply.py", "pipeline/plan.py",
+               "pipeline/cpu_kernels.py"),
 }
 
 

@@ -71,6 +71,11 @@ def report_outputs():
     return stage_outputs("report")
 
 
+def verify_output():
+    """verify.json of the verify rule, beside the run's plan.json."""
+    return str(PLAN_DIRS.solve / "verify.json")
+
+
 def stage_params(stage):
     """Hydra overrides of exactly the config the stage depends on (a list of str)."""
     return stage_overrides(PLAN_CFG, stage)

@@ -1,0 +1,20 @@
+# Plan verification (pipeline/verify.py): execute the run's plan.json with DTensor on one
+# gloo process per mesh device (CPU) and compare loss and gradients with the
+# single-process step; writes verify.json beside the plan.
+#
+#   snakemake verify --config model=toy mesh=2,2
+
+rule verify:
+    input:
+        stage_output("solve"),
+    output:
+        verify_output(),
+    params:
+        overrides=stage_params("solve"),
+        code=stage_code("verify"),
+    log:
+        str(PLAN_DIRS.solve / "verify.log"),
+    benchmark:
+        str(PLAN_DIRS.solve / "benchmark-verify.tsv")
+    shell:
+        "python -m pipeline.verify {params.overrides:q} > {log} 2>&1"
