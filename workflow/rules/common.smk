@@ -161,7 +161,7 @@ def run_outputs(stage, cost_mode=None):
 
 
 def costs_outputs(wildcards):
-    """Input of rule solve: every artifact of the costs stage of the job's cost mode."""
+    """The solve job's input: every artifact of the costs stage in the job's cost mode."""
     return [p.format(**wildcards) for p in run_outputs("costs", wildcards.cost_mode)]
 
 
