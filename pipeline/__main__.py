@@ -99,8 +99,10 @@ def _prevalidate(argv: Sequence[str]) -> list[str]:
                      or args.info is not None or args.config_name or args.config_dir
                      or args.config_path or args.experimental_rerun)
     if not informational:
+        from pipeline.cli import preflight_trace
+
         for job in (sweep_overrides(overrides) if args.multirun else [overrides]):
-            load_resolved(job)
+            preflight_trace(load_resolved(job))
     return new_argv
 
 

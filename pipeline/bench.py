@@ -21,6 +21,12 @@ A *suite* is a named list of *cases*; a case is a list of Hydra overrides, exact
 ``smoke``
     the toy model on meshes 8 and 2x4: approx lazy, approx eager, ILP (HiGHS). Fast; run
     by ``tests/test_bench.py``.
+``models``
+    transformers architectures beside the built-in model on 2x4x8, approx, lazy:
+    llama1b, ``hf/gpt2`` (GPT-2 small, 12 layers) and ``hf/qwen2`` (Qwen2-0.5B, 24
+    layers), real shapes. Before the cases the import of transformers is timed on its
+    own (:data:`IMPORT_PROBES`, fresh processes, after ``import torch``), since every
+    ``hf`` trace pays it.
 
 Each case runs in a fresh process, ``python -m pipeline <overrides>
 results_dir=<dir>``, with this checkout first on ``PYTHONPATH``. The runner measures
@@ -113,10 +119,36 @@ class Suite:
     name: str
     description: str
     cases: tuple[Case, ...]
+    imports: tuple[str, ...] = ()  # keys of IMPORT_PROBES timed before the cases
 
 
-def _suite(name: str, description: str, rows: Sequence[str]) -> Suite:
-    return Suite(name, description, tuple(Case(tuple(r.split())) for r in rows))
+def _suite(name: str, description: str, rows: Sequence[str],
+           imports: tuple[str, ...] = ()) -> Suite:
+    return Suite(name, description, tuple(Case(tuple(r.split())) for r in rows), imports)
+
+
+#: Import probes: the statements a trace of the family runs before building a model,
+#: timed in a fresh process after ``import torch`` (which every case pays anyway).
+IMPORT_PROBES: dict[str, str] = {
+    "transformers": ("import transformers; from transformers import AutoConfig, "
+                     "AutoModelForCausalLM, AttentionInterface; "
+                     "from transformers.masking_utils import AttentionMaskInterface"),
+}
+
+
+def import_seconds(name: str, repeats: int = 3) -> float | None:
+    """Fastest of ``repeats`` fresh-process timings of :data:`IMPORT_PROBES` ``[name]``
+    (seconds), ``None`` if the import fails (the package is not installed)."""
+    script = ("import time, torch\nt = time.perf_counter()\n" + IMPORT_PROBES[name]
+              + "\nprint(time.perf_counter() - t)")
+    best = None
+    for _ in range(repeats):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+        if proc.returncode != 0:
+            return None
+        seconds = float(proc.stdout.strip().splitlines()[-1])
+        best = seconds if best is None else min(best, seconds)
+    return best
 
 
 _LLAMA1B_MESHES = ("8", "8x8", "2x4x8")
@@ -144,6 +176,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
                "solver=approx lazy_costs=true",
                "solver=approx lazy_costs=false",
                "solver=ilp solver.backend=highs")]),
+    _suite("models", "issue 11: transformers architectures (GPT-2 small, Qwen2-0.5B) beside "
+           "llama1b on 2x4x8, approx, lazy costs",
+           [f"model={m} mesh=2x4x8 solver=approx lazy_costs=true"
+            for m in ("llama1b", "hf/gpt2", "hf/qwen2")], imports=("transformers",)),
 )}
 
 DEFAULT_SUITE = "search"
@@ -359,7 +395,7 @@ def run_case(case: Case, index: int, results_dir: Path, log_dir: Path,
         pass  # the child fails with the same one-line message; recorded below
     if cfg is not None:
         s = cfg.solver
-        row.update(model=str(cfg.model.name), n_layers=int(cfg.model.n_layers),
+        row.update(model=str(cfg.model.name), n_layers=cfg.model.get("n_layers"),
                    mesh="x".join(str(m) for m in cfg.mesh), solver=str(s.name),
                    backend=str(s.backend) if s.name != "approx" else None,
                    cost_mode="lazy" if cfg.lazy_costs else "eager",
@@ -404,6 +440,8 @@ def run_case(case: Case, index: int, results_dir: Path, log_dir: Path,
     fm = counts.get("factors_materialised")
     row.update(
         model=record.get("model", row["model"]), mesh=record.get("mesh", row["mesh"]),
+        # depth from the graph (repeated blocks), whatever the model family
+        n_layers=(record.get("model_info") or {}).get("layers", row["n_layers"]),
         solver=record.get("solver", row["solver"]),
         backend=record.get("backend", row["backend"]),
         cost_mode=record.get("cost_mode", row["cost_mode"]),
@@ -479,6 +517,12 @@ def _markdown(suite: Suite, rows: list[dict[str, Any]], meta: dict[str, Any]) ->
         "- times in seconds (phases as recorded in each run.json; `wall` and `cpu` of the "
         "process measured by the runner), peak RSS of the process tree in MiB "
         "(os.wait4), objective and bound in µs, gap relative",
+    ]
+    for name, seconds in (meta.get("import_seconds") or {}).items():
+        shown_s = "not installed" if seconds is None else f"{seconds:.2f} s"
+        lines.append(f"- import of {name} (fresh process after `import torch`, fastest of "
+                     f"3; paid by every trace of the family): {shown_s}")
+    lines += [
         "",
     ]
     shown = [(name, header) for name, _, header in COLUMNS if header is not None]
@@ -531,6 +575,7 @@ def run_suite(suite: Suite, selected: list[tuple[int, Case]], out: Path, fresh: 
         "cases": len(selected), "complete": False,
         "started": _now(),
         "load_start": _load_1m(), "machine": machine_info(), "units": UNITS,
+        "import_seconds": {name: import_seconds(name) for name in suite.imports},
     }
     rows: list[dict[str, Any]] = []
     failed = 0

@@ -56,13 +56,34 @@ _USAGE = f"usage: python -m pipeline.cli {{{','.join(STAGES)}}} [hydra overrides
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from pipeline.errors import PlanError
+    from pipeline.models import ModelError
     from pipeline.solvers.errors import FractionalRelaxationError, InfeasibleError
 
-    return (PlanError, FractionalRelaxationError, InfeasibleError)
+    return (PlanError, ModelError, FractionalRelaxationError, InfeasibleError)
 
 
 #: Errors whose one-line message is the whole story for the user (exit status 2).
 USER_ERRORS = _user_errors()
+
+
+def preflight_trace(cfg: DictConfig) -> None:
+    """Before any stage writes: the model checks that need the family's packages or a
+    forward on meta (:func:`pipeline.models.preflight`), unless the trace artifact exists
+    (the model was traced, so it is valid).
+
+    Raises:
+        ConfigError: one line naming the key, the value and what is allowed.
+    """
+    from omegaconf import OmegaConf
+
+    from pipeline.models import ModelError, preflight
+
+    if sentinel(stage_dirs(cfg), "trace").exists():
+        return
+    try:
+        preflight(OmegaConf.to_container(cfg.model, resolve=True))
+    except ModelError as err:
+        raise ConfigError(str(err)) from None
 
 
 def sentinel(dirs: StageDirs, stage: str) -> Path:
@@ -200,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         cfg = load_resolved(overrides)
+        if stage == "trace":
+            preflight_trace(cfg)
     except ConfigError as err:
         print(err, file=sys.stderr)
         return 2

@@ -199,7 +199,11 @@ class CostModel:
         s = self.slist[node]
         outs, ins = self.topology.slist_outputs[s], self.topology.slist_inputs[s]
         target = self.target[node]
-        if is_view_op(target):
+        # A non-aten op (a library's custom op, e.g. transformers.grouped_mm_fallback) is
+        # replicate-only (topology) and costed as a memory-bound kernel: it is never
+        # resolved here, as its library need not be imported in this process.
+        aten = target.startswith("aten.")
+        if aten and is_view_op(target):
             return np.zeros(len(outs))
         in_metas, out_metas = self.in_metas[node], self.out_metas[node]
         args, kwargs = json.loads(self.args[node]), json.loads(self.kwargs[node])
@@ -238,7 +242,7 @@ class CostModel:
                               if sh is not None)
                 flops = op_flops(target, _with_shapes(args, loc_in),
                                  _with_shapes(kwargs, loc_in, n_args),
-                                 loc_out if len(loc_out) > 1 else loc_out[0])
+                                 loc_out if len(loc_out) > 1 else loc_out[0]) if aten else 0.0
                 cost = memo[key] = float(roofline_us(flops, nbytes, dtype, self.hw, False))
             costs[k] = cost
         return costs

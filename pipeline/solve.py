@@ -238,6 +238,16 @@ def _upstream_seconds(records: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def _model_info(dirs: Any) -> dict[str, Any]:
+    """The model facts the trace stage recorded (graph metadata; see pipeline.trace), with
+    the tied parameter names; ``{}`` for a graph traced before they were recorded."""
+    meta = artifacts.table_metadata(GRAPH, dirs.trace)
+    info = dict(meta.get("model_info") or {})
+    if info:
+        info["tied_parameters"] = sorted(meta.get("tied_parameters") or {})
+    return info
+
+
 def run_solve(cfg: Any, dirs: Any) -> None:
     """Stage entry point: solve, then write ``solution.parquet``,
     ``redistributions.parquet`` and ``run.json`` (last)."""
@@ -332,6 +342,8 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
         "run_id": run_id,
         "solve_dir": str(dirs.solve),
         "model": str(cfg.model.name),
+        # family, architecture, parameter count, layer count, width: from the trace
+        "model_info": _model_info(dirs),
         "mesh": "x".join(str(m) for m in cfg.mesh),
         "mesh_names": list(cfg.mesh_names),
         "hardware": str(cfg.hardware.name),

@@ -5,8 +5,24 @@ mesh is initialised (``torch.distributed`` "fake" backend, no GPU), and the
 training step is captured with ``aot_export_joint_with_descriptors`` on the
 module itself (see shared/NOTES-torch.md), module paths being recorded through
 forward hooks (:func:`module_path_annotations`). The joint
-graph holds aten ops only; AOT descriptors identify parameters, buffers,
+graph holds aten ops (and any custom ops the model calls, named
+``namespace.op.overload``); AOT descriptors identify parameters, buffers,
 plain inputs, tangents, the loss output and gradient outputs.
+
+The model comes from its family's builder (:mod:`pipeline.models`: the built-in LLaMA,
+a transformers architecture, a module of your own); :mod:`pipeline.models.step` gives
+the capture one placeholder per parameter *tensor* (tied parameters), the mixed-precision
+casts and the loss. The capture runs in the state torch.export sets during its own
+capture (``torch.compiler.is_compiling()`` and ``is_exporting()`` true), which is what
+transformers' ``is_tracing()`` looks for: without it transformers takes eager-only,
+data-dependent paths (``find_packed_sequence_indices``) that cannot be traced on meta.
+A capture in which a trainable parameter gets no gradient (a loss whose backward
+vanished, an unused parameter) is refused with one line naming the parameter.
+
+The graph's metadata (``pipeline`` key of the Parquet schema) holds the model facts of
+the run record: ``model_info`` = family, architecture, parameter count (distinct
+tensors), layer count (repeated blocks found in the graph), width when known, and
+``tied_parameters`` ``{alias: parameter}``.
 
 Graph IR (``graph.parquet``), one row per FX node in graph order:
 
@@ -140,6 +156,12 @@ def _target_name(node: Any) -> str:
     t = node.target
     if getattr(t, "__name__", "") == "getitem":
         return "getitem"
+    import torch
+
+    if isinstance(t, torch._ops.OpOverload):
+        # ``namespace.op.overload`` for every namespace (aten, transformers, a user's
+        # torch.library op), never the Python module path of the op object.
+        return f"{t.namespace}.{t._opname}.{t._overloadname}"
     name = str(t)
     return name if name.startswith("aten.") else f"{getattr(t, '__module__', '')}.{t}"
 
@@ -284,24 +306,81 @@ def _inherit_layers(rows: dict[str, list], nodes: list, index: dict) -> None:
             rows["layer"][i] = rows["layer"][pick[-1]]
 
 
+@contextlib.contextmanager
+def export_tracing_state() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` and ``is_exporting()`` true, as during
+    torch.export's own capture (``torch._export.utils._compiling_state_context``):
+    libraries that branch on them (transformers' ``is_tracing()``) take their traceable
+    paths. The flags are restored on exit."""
+    import torch
+
+    old = (torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag)
+    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
+
+
+def check_gradients(graph_module: Any, trainable: set[str]) -> None:
+    """Refuse a captured step in which a trainable parameter has no gradient output.
+
+    torch only warns when the backward of a loss vanishes (``F.cross_entropy`` under the
+    export tracer of torch 2.13): the graph then holds the forward alone and every
+    gradient output is None, and a plan of it would be a forward-only plan.
+
+    Raises:
+        ModelError: one line naming the first such parameter.
+    """
+    from pipeline.models import ModelError
+
+    out = next(n for n in graph_module.graph.nodes if n.op == "output")
+    flat = out.args[0] if out.args else []
+    missing = []
+    for value, desc in zip(flat, out.meta.get("desc") or []):
+        if type(desc).__name__ == "GradAOTOutput" and value is None:
+            name = getattr(desc.grad_of, "target", None)
+            if name in trainable:
+                missing.append(name)
+    if missing:
+        raise ModelError(
+            f"{missing[0]}: the captured training step has no gradient for this trainable "
+            f"parameter ({len(missing)} of {len(trainable)} have none): the loss's backward "
+            "vanished (torch 2.13's export tracer drops the backward of F.cross_entropy / "
+            "aten.nll_loss; use model.loss=cross_entropy or nll_loss_forward) or the "
+            "parameter is unused (set requires_grad=False on it)")
+
+
 def trace_model(model_cfg: Any, world_size: int) -> tuple[pa.Table, dict[str, Any]]:
     """Trace the training step of the model described by ``model_cfg``.
 
-    Returns the graph IR table and a dict of facts (node count, seconds).
-    Raises ValueError for an invalid model config.
+    Returns the graph IR table and a dict of facts (node count, seconds, ``model_info``,
+    ``tied_parameters``).
+
+    Raises:
+        ValueError: an invalid model config (:class:`pipeline.models.ModelError` for a
+            model that cannot be built or whose step has no gradient).
     """
+    from pipeline import models
+    from pipeline.models.step import parameter_count, training_step
 
-    from pipeline.models.llama import build_model, example_inputs, validate_model_config
-
-    validate_model_config(model_cfg)
+    built = models.build(model_cfg)
     fake_process_group(world_size)
     start = time.perf_counter()
-    model = build_model(model_cfg)
-    inputs = example_inputs(model_cfg)
     with contextlib.ExitStack() as stack:
-        gm = capture_joint_graph(model, inputs, stack)
+        with training_step(built) as (module, tied):
+            trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+            params = parameter_count(module)
+            with export_tracing_state():
+                gm = capture_joint_graph(module, built.inputs, stack)
+        check_gradients(gm, trainable)
         table = graph_to_table(gm)
-    return table, {"nodes": table.num_rows, "seconds": time.perf_counter() - start}
+    layers = {x for x, k in zip(table.column("layer").to_pylist(),
+                                table.column("kind").to_pylist())
+              if x is not None and k == "call_function"}
+    info = {**built.info, "parameters": int(params), "layers": len(layers)}
+    return table, {"nodes": table.num_rows, "seconds": time.perf_counter() - start,
+                   "model_info": info, "tied_parameters": dict(tied)}
 
 
 def world_size_of(cfg: Any) -> int:
@@ -330,6 +409,8 @@ def run_trace(cfg: Any, out_dir: Path) -> None:
     meta = {
         "stage": "trace",
         "model": model_cfg,
+        "model_info": facts["model_info"],
+        "tied_parameters": facts["tied_parameters"],
         "nodes": facts["nodes"],
         "seconds": timer.seconds,
         "peak_rss_bytes": runtime.peak_rss_bytes(),

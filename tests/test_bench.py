@@ -109,7 +109,7 @@ def test_only_selects_by_regex_with_trailing_space():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--suite", "nope"], "--suite=nope: allowed search, solvers, big, smoke"),
+    (["--suite", "nope"], "--suite=nope: allowed search, solvers, big, smoke, models"),
     (["--suite", "smoke", "--only", "mesh=3x3"],
      "--only=mesh=3x3: matches none of the 6 cases of suite smoke"),
     (["--only", "("], "--only=(: not a regular expression"),
@@ -125,7 +125,7 @@ def test_bad_usage_is_one_line(tmp_path, capsys, args, message):
 def test_bad_suite_through_the_command_line(tmp_path):
     proc = run_bench(tmp_path, "--suite", "nope", timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "--suite=nope: allowed search, solvers, big, smoke"
+    assert proc.stderr.strip() == "--suite=nope: allowed search, solvers, big, smoke, models"
 
 
 def test_failing_cases_are_recorded_and_the_suite_goes_on(tmp_path, monkeypatch, capsys):

@@ -29,6 +29,9 @@ def _composition_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
     if m:
         group, choice = m.group(1), m.group(2)
         options = group_options(group)
+        if group.startswith("model/"):  # a preset of a model family: model=hf/<preset>
+            sub = group.split("/", 1)[1]
+            group, choice, options = "model", f"{sub}/{choice}", [f"{sub}/{o}" for o in options]
         allowed = ", ".join(options) if options else "none (the group has no options)"
         return ConfigError(f"{group}={choice}: allowed {allowed}")
     m = re.search(r"(?:Could not override|Error merging override) '?([^'=\s]+)", text)

@@ -12,6 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from pipeline import models as model_families
 from pipeline.config.schema import (
     GROUPS,
     ConfigError,
@@ -119,6 +120,10 @@ def normalise_overrides(overrides: Sequence[str], multirun: bool = False) -> lis
             found = schema_type(key)
             if found is not None and typing.get_origin(found[0]) is dict:
                 ov = "++" + ov
+        # An entry of a free-form model mapping (model.config.n_layer=4, a builder kwarg)
+        # may be absent from the preset: add-or-override.
+        elif sep and any(key.startswith(k + ".") for k in model_families.OPEN_MAPPING_KEYS):
+            ov = "++" + ov
         out.append(ov)
     return out
 

@@ -2,7 +2,9 @@
 
 The YAML files under ``conf/`` are merged onto :class:`Config` (its first defaults entry
 is ``config_schema``, :func:`register_configs`), so a misspelt key or a value of the
-wrong type is refused. This module also holds the names the other config modules share
+wrong type is refused; the ``model`` group is typed by the schema of its model family
+(``pipeline/models/``: ``/schema/model/<family>``; ``model=hf`` and ``model=custom``
+are those schemas). This module also holds the names the other config modules share
 (stage and group names, :class:`ConfigError`) and the introspection of the schema that
 their one-line messages use (:func:`schema_type`, :func:`allowed_text`).
 """
@@ -17,7 +19,10 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from pipeline import models as model_families
 from pipeline.costmodel.hardware import HardwareConfig
+from pipeline.models.custom import CustomModelConfig, InputSpec
+from pipeline.models.hf import HFModelConfig
 from pipeline.models.llama import ModelConfig
 from pipeline.runtime import PROJECT_ROOT
 from pipeline.solvers.options import BACKENDS as MIP_BACKENDS  # noqa: F401 - re-exported
@@ -151,7 +156,10 @@ class Config:
         paper: run sets of the paper's tables and figures, see :class:`PaperConfig`.
     """
 
-    model: ModelConfig = MISSING
+    # One schema per model family (pipeline/models/): each conf/model option starts from
+    # its family's schema (defaults: /schema/model/<family>@_here_), so the group node is
+    # typed there; resolve() merges it onto the family schema again.
+    model: Any = MISSING
     hardware: HardwareConfig = MISSING
     solver: SolverConfig = MISSING
     constraints: ConstraintsConfig = field(default_factory=ConstraintsConfig)
@@ -174,7 +182,13 @@ def register_configs() -> None:
     """
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name="config_schema", node=Config)
+    store = ConfigStore.instance()
+    store.store(name="config_schema", node=Config)
+    for family in model_families.FAMILIES:  # conf/model/*.yaml: /schema/model/<family>
+        store.store(group="schema/model", name=family, node=model_families.schema_of(family))
+        base = model_families.base_option(family)
+        if base is not None:  # model=hf, model=custom: the family's schema defaults
+            store.store(group="model", name=base, node=model_families.schema_of(family))
 
 
 def group_options(group: str) -> list[str]:
@@ -197,6 +211,8 @@ def schema_type(key: str) -> tuple[Any, bool] | None:
     """(type, optional) of a dotted key in the :class:`Config` schema, ``None`` if unknown.
 
     List indices (``constraints.nodes.0.match``) and dict entries are followed."""
+    if key.split(".")[0] == "model":  # typed by the family schemas (pipeline/models)
+        return model_families.field_type(key)
     t: Any = Config
     optional = False
     for part in key.split("."):
@@ -220,14 +236,20 @@ def schema_type(key: str) -> tuple[Any, bool] | None:
 
 #: Schema dataclasses by class name (OmegaConf names them in its errors).
 SCHEMAS: dict[str, Any] = {c.__name__: c for c in (
-    Config, ModelConfig, HardwareConfig, SolverConfig, ConstraintsConfig, NodeConstraint,
-    ParamMemoryConfig, PaperConfig)}
+    Config, ModelConfig, HFModelConfig, CustomModelConfig, InputSpec, HardwareConfig,
+    SolverConfig, ConstraintsConfig, NodeConstraint, ParamMemoryConfig, PaperConfig)}
 SCHEMAS["LinkConfig"] = typing.get_type_hints(HardwareConfig)["intra_node"]
 
 
 def known_keys(key: str) -> str:
     """``allowed keys of model: name, dim, ...`` for the parent of a dotted key."""
     parent = key.rsplit(".", 1)[0] if "." in key else ""
+    if parent == "model":  # one schema per family (pipeline/models)
+        keys = {fam: ", ".join(f.name for f in dataclasses.fields(model_families.schema_of(fam))
+                               if f.name not in ("family", "trace_env"))
+                for fam in model_families.FAMILIES}
+        return (f"allowed keys at model: {keys.pop('llama')} (model=hf/..., model=custom: "
+                + "; ".join(f"{fam}: {text}" for fam, text in keys.items()) + ")")
     found = schema_type(parent) if parent else (Config, False)
     t = found[0] if found else None
     if not dataclasses.is_dataclass(t):

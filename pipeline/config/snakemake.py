@@ -11,6 +11,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from pipeline import models as model_families
 from pipeline.config.overrides import override_value
 from pipeline.config.paths import stage_keys
 from pipeline.config.schema import ConfigError
@@ -37,6 +38,10 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
     keys = dict(stage_keys(cfg, stage))
     keys["results_dir"] = cfg.results_dir
     out = []
+    if "model" in keys:  # start from the family's own defaults (model=hf, model=custom)
+        base = model_families.base_option(model_families.family_of(keys["model"]))
+        if base is not None:
+            out.append(f"model={base}")
     for key in sorted(keys):
         for k, v in _leaves(key, keys[key]):
             out.append(f"{k}={override_value(v)}")

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from pipeline import models as model_families
 from pipeline.config.overrides import override_value
 from pipeline.config.schema import (
     DEFAULT_MESH_NAMES,
@@ -25,7 +26,6 @@ from pipeline.config.schema import (
     allowed_text,
 )
 from pipeline.costmodel.hardware import validate_hardware
-from pipeline.models.llama import validate_model_config
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -195,13 +195,17 @@ def resolve(cfg: DictConfig) -> DictConfig:
     Raises:
         ConfigError: one line naming the key, the value and what is allowed, for a bad
             mesh or mesh_names (size < 1, wrong count, duplicated names, rank > 3 without
-            names), ``lazy_costs=true`` with ilp/lp, a bad model (via
-            ``validate_model_config``), hardware (``validate_hardware``), solver or
-            constraint value, or an empty ``results_dir``.
+            names), ``lazy_costs=true`` with ilp/lp, a bad model (via its family's
+            ``validate``, :mod:`pipeline.models`), hardware (``validate_hardware``), solver
+            or constraint value, or an empty ``results_dir``.
     """
     try:
         out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         out = OmegaConf.merge(OmegaConf.structured(Config), out)
+        # The model node onto its family's schema (types, defaults, unknown keys).
+        family = model_families.family_of(out.model)
+        out.model = OmegaConf.merge(
+            OmegaConf.structured(model_families.schema_of(family)), out.model)
     except Exception as err:  # noqa: BLE001 - an interpolation or type error: one line
         raise ConfigError(str(err).strip().splitlines()[0]) from None
     missing = sorted(re.sub(r"\[(\d+)\]", r".\1", k) for k in OmegaConf.missing_keys(out))
@@ -215,7 +219,11 @@ def resolve(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"model.name={_shown(out.model.name)}: allowed letters, digits, "
                           "'.', '_', '-' (used in result paths)")
     try:
-        validate_model_config(out.model)
+        model = OmegaConf.to_container(out.model, resolve=True)
+        model_families.validate(model)
+        # What the graph depends on outside the config (the torch / transformers version,
+        # a custom builder's source) is part of model.*, hence of the trace key.
+        out.model.trace_env = model_families.trace_key(model)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if not (isinstance(out.hardware.name, str) and _NAME_RE.match(out.hardware.name)):

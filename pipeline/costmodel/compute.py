@@ -15,6 +15,8 @@ mm, addmm, bmm, baddbmm, convolution(+backward), the SDPA flash / efficient / cu
 forward and backward ops, ...), evaluated on the *local* (per-device, sharded) shapes.
 Ops without a formula count 0 FLOPs: they are memory-bound. Note the SDPA formulas do
 not halve the work for ``is_causal=True`` (PyTorch's counter does not either).
+PyTorch has no formula for ``aten._grouped_mm`` (MoE experts): :func:`grouped_mm_flops`
+gives it (:data:`_FLOP_FORMULAS`, consulted before torch's registry).
 
 The peak is chosen by dtype: bf16 / fp16 (and fp8) use ``peak_flops_bf16``, all other
 dtypes ``peak_flops_fp32``.
@@ -34,6 +36,7 @@ from torch.utils.flop_counter import flop_registry
 from pipeline.ir import resolve_op
 
 __all__ = [
+    "grouped_mm_flops",
     "is_view_op",
     "op_flops",
     "peak_flops",
@@ -163,12 +166,45 @@ def _raw_args(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[lis
     return new_args, new_kwargs
 
 
+def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_val: Any = None,
+                     **kwargs: Any) -> int:
+    """FLOPs of ``aten._grouped_mm(a, b, offs)``: ``2 * M * K * N`` summed over the groups.
+
+    The four layouts (``offs`` splits the dim of total size marked ``_total``):
+
+    * 2-d x 3-d: ``a [M_total, K]``, ``b [G, K, N]`` -> ``[M_total, N]``: ``2 M_total K N``
+      (each row of ``a`` times its group's matrix: the MoE forward / input gradient);
+    * 3-d x 2-d: ``a [G, M, K]``, ``b [K, N_total]`` -> ``[M, N_total]``: ``2 M K N_total``;
+    * 2-d x 2-d: ``a [M, K_total]``, ``b [K_total, N]`` -> ``[G, M, N]``: ``2 M K_total N``
+      (the expert-weight gradient);
+    * 3-d x 3-d: ``a [G, M, K]``, ``b [G, K, N]`` -> ``[G, M, N]``: ``2 G M K N``.
+    """
+    a, b = tuple(a_shape), tuple(b_shape)
+    if len(a) == 2 and len(b) == 3:
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 3 and len(b) == 2:
+        return 2 * a[1] * a[2] * b[1]
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    if len(a) == 3 and len(b) == 3:
+        return 2 * a[0] * a[1] * a[2] * b[2]
+    raise ValueError(f"_grouped_mm of shapes {list(a)} x {list(b)}: expected 2-d or 3-d operands")
+
+
+#: FLOP formulas of ops PyTorch's registry lacks; each takes the argument *shapes* like a
+#: ``shape_wrapper``'d formula of torch's registry.
+_FLOP_FORMULAS: dict[Any, Any] = {aten._grouped_mm: grouped_mm_flops}
+
+
 def _eval_flops(op: Any, args: tuple, kwargs: dict, out_shape: Any) -> float:
-    formula = flop_registry.get(_packet(op))
+    own = _FLOP_FORMULAS.get(_packet(op))
+    formula = own or flop_registry.get(_packet(op))
     if formula is None:
         return 0.0
     args = [_as_shape(a) for a in args]
     kwargs = {k: _as_shape(v) for k, v in kwargs.items()}
+    if own is not None:
+        return float(own(*args, out_val=out_shape, **kwargs))
     if hasattr(formula, "__wrapped__"):  # shape_wrapper'd formula: shapes are fine
         return float(formula(*args, out_val=out_shape, **kwargs))
     raw_args, raw_kwargs = _raw_args(resolve_op(op), args, kwargs)
@@ -205,7 +241,7 @@ def op_flops(
     """
     kwargs = kwargs or {}
     packet = _packet(op)
-    if packet not in flop_registry:
+    if packet not in flop_registry and packet not in _FLOP_FORMULAS:
         return 0.0
     try:
         key = (_freeze(list(arg_shapes)), _freeze(kwargs), _freeze(out_shape))

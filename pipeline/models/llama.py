@@ -27,6 +27,7 @@ class ModelConfig:
     """LLaMA-3 model and training-step shape (Hydra structured config).
 
     Attributes:
+        family: the model family (``llama``; see :mod:`pipeline.models`).
         name: short readable key used in result paths (``llama1b``).
         dim: model width; n_layers: decoder blocks; n_heads / n_kv_heads: query
             and key/value heads (GQA, ``n_heads % n_kv_heads == 0``).
@@ -36,8 +37,11 @@ class ModelConfig:
         rope_theta, norm_eps: RoPE base and RMSNorm epsilon.
         vocab_size, seq_len, batch_size: vocabulary, sequence length, global batch.
         param_dtype, reduce_dtype: compute and gradient-reduction dtypes.
+        trace_env: set by ``resolve()``: the versions the graph depends on
+            (:func:`pipeline.models.trace_key`).
     """
 
+    family: str = "llama"
     name: str = "llama1b"
     dim: int = 2048
     n_layers: int = 16
@@ -53,6 +57,7 @@ class ModelConfig:
     batch_size: int = 16
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
+    trace_env: dict[str, Any] = field(default_factory=dict)
 
 
 ALLOWED_DTYPES = ("float32", "bfloat16", "float16")
@@ -256,5 +261,19 @@ def example_inputs(cfg: Any) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(shape, dtype=torch.int64, device="meta"))
 
 
-__all__ = ["ModelConfig", "Transformer", "build_model", "example_inputs", "ffn_hidden_dim",
-           "validate_model_config"]
+def build(cfg: Any) -> Any:
+    """The family builder (:func:`pipeline.models.build`): the module's forward returns
+    the loss, so no step function; it casts its own weights (:class:`CastLinear`)."""
+    from pipeline.models import BuiltModel
+
+    return BuiltModel(module=build_model(cfg), inputs=example_inputs(cfg), step=None,
+                      info={"family": "llama", "architecture": "Transformer",
+                            "width": int(cfg["dim"])})
+
+
+#: The structured-config schema of the family (:func:`pipeline.models.schema_of`).
+SCHEMA = ModelConfig
+validate = validate_model_config
+
+__all__ = ["SCHEMA", "ModelConfig", "Transformer", "build", "build_model", "example_inputs",
+           "ffn_hidden_dim", "validate", "validate_model_config"]

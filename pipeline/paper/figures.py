@@ -10,7 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.paper.provenance import describe_runs, write_sidecar
-from pipeline.paper.tables import MIB, RSS_NOTE, SEARCH_PHASES, mesh_order, row_config, row_float
+from pipeline.paper.tables import (
+    MIB,
+    RSS_NOTE,
+    SEARCH_PHASES,
+    mesh_order,
+    row_config,
+    row_float,
+    row_layers,
+)
 
 _PHASE_COLORS = {"trace": "#4C72B0", "topology": "#55A868", "cost_build": "#C44E52",
                  "factor_build": "#8172B2", "solve": "#CCB974"}
@@ -123,7 +131,7 @@ def plot_peak_rss(runs: Any, path: Path, prov: dict[str, Any]) -> None:
 
 def plot_depth(runs: Any, path: Path, prov: dict[str, Any]) -> None:
     """Search time against the number of layers: total, trace, and the rest."""
-    layers = [int(row_config(r).get("model", {}).get("n_layers", 0)) for _, r in runs.iterrows()]
+    layers = [int(row_layers(r, row_config(r)) or 0) for _, r in runs.iterrows()]
     order = sorted(range(len(runs)), key=lambda i: layers[i])
     runs = runs.iloc[order].reset_index(drop=True)
     layers = [layers[i] for i in order]
@@ -139,7 +147,7 @@ def plot_depth(runs: Any, path: Path, prov: dict[str, Any]) -> None:
         ax.annotate(f"{yv:.1f}", (xv, yv), ha="center", va="bottom", fontsize=8,
                     xytext=(0, 4), textcoords="offset points")
     ax.set_xticks(layers)
-    ax.set_xlabel("number of layers (model.n_layers)")
+    ax.set_xlabel("number of layers (repeated blocks of the traced graph)")
     ax.set_ylabel("time (s)")
     ax.set_ylim(0, max([v for v in total if math.isfinite(v)] + [1e-9]) * 1.15)
     ax.set_title("Search time vs depth")

@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeline.config import config_hash, stage_code_hash
 from pipeline.paper.experiment import SIDECAR_SUFFIX
-from pipeline.paper.tables import mesh_order, row_config
+from pipeline.paper.tables import mesh_order, row_config, row_layers, row_width
 
 
 def run_provenance(runs: Any) -> list[dict[str, Any]]:
@@ -29,7 +29,7 @@ def run_provenance(runs: Any) -> list[dict[str, Any]]:
             "git_dirty": None if row.get("git.dirty") is None else bool(row.get("git.dirty")),
             "revision_label": row.get("revision_label"),
             "model": row.get("model"),
-            "n_layers": cfg.get("model", {}).get("n_layers"),
+            "n_layers": row_layers(row, cfg),
             "mesh": row.get("mesh"),
             "hardware": row.get("hardware"),
             "cost_mode": row.get("cost_mode"),
@@ -68,8 +68,8 @@ def describe_runs(runs: Any) -> str:
     cfgs = [row_config(row) for _, row in runs.iterrows()]
     models = []
     for row, cfg in zip(runs.to_dict("records"), cfgs):
-        m = cfg.get("model", {})
-        text = f"{row.get('model')} ({m.get('n_layers', '?')} layers, dim {m.get('dim', '?')})"
+        text = (f"{row.get('model')} ({row_layers(row, cfg) or '?'} layers, "
+                f"dim {row_width(row, cfg) or '?'})")
         if text not in models:
             models.append(text)
     meshes = sorted(values("mesh"), key=mesh_order)

@@ -6,8 +6,9 @@ Keys of ``constraints`` read here (docs/config.md):
   Shard(0) on the first mesh dim and Replicate on the others;
 * ``outputs``: placement of the model output before the loss (the logits);
 * ``nodes``: a list of ``{match, placement}``; ``match`` is a node name, a
-  parameter FQN (glob) or an op name (``aten.mm``). Partial is refused for
-  parameters, inputs and gradients.
+  parameter FQN or a tied alias of it (glob; the graph has one placeholder per
+  parameter tensor, so ``lm_head.weight`` pins ``transformer.wte.weight``), or an op
+  name (``aten.mm``). Partial is refused for parameters, inputs and gradients.
 
 A pin restricts a whole group to the labels where the pinned member has the
 placement, so every member keeps the same label indexing and ties survive.
@@ -66,9 +67,10 @@ def parse_pins(constraints: dict[str, Any], ndim: int) -> PinSpec:
     return PinSpec(inputs, outputs, outputs_text, nodes)
 
 
-def pin_requests(spec: PinSpec, nodes: list[IRNode], problem: list[ProblemNode]
-                 ) -> list[PinRequest]:
+def pin_requests(spec: PinSpec, nodes: list[IRNode], problem: list[ProblemNode],
+                 tied_params: dict[str, str] | None = None) -> list[PinRequest]:
     """The pins on problem nodes, in the order they apply: inputs, output, node pins.
+    ``tied_params``: ``{alias: parameter}`` of tied parameters (graph metadata).
 
     Raises TopologyError for an output pin without a model output, a node pin that
     matches nothing, or a Partial pin on a parameter, input or gradient.
@@ -86,8 +88,11 @@ def pin_requests(spec: PinSpec, nodes: list[IRNode], problem: list[ProblemNode]
                                 "found before the loss")
         requests.append(PinRequest(id_of[logits], spec.outputs,
                                    "constraints.outputs", spec.outputs_text))
+    aliases: dict[str, list[str]] = {}
+    for alias, fqn in (tied_params or {}).items():
+        aliases.setdefault(fqn, []).append(alias)
     for match, want, text in spec.nodes:
-        hits = [m for m in problem if _matches(m, match)]
+        hits = [m for m in problem if _matches(m, match, aliases)]
         if any(isinstance(p, Partial) for p in want) \
                 and {m.role for m in hits} & _NO_PARTIAL_ROLES:
             raise TopologyError(
@@ -150,10 +155,14 @@ def find_logits(nodes: list[IRNode]) -> int | None:
     return None
 
 
-def _matches(m: ProblemNode, pattern: str) -> bool:
-    """A pin matches a node name, a parameter FQN (glob) or an op name (``aten.mm``)."""
+def _matches(m: ProblemNode, pattern: str, aliases: dict[str, list[str]] | None = None
+             ) -> bool:
+    """A pin matches a node name, a parameter FQN or a tied alias of it (glob), or an op
+    name (``aten.mm``)."""
     if fnmatch.fnmatchcase(m.name, pattern):
         return True
-    if m.fqn and fnmatch.fnmatchcase(m.fqn, pattern) and m.role in ("param", "buffer"):
+    if m.fqn and m.role in ("param", "buffer") and any(
+            fnmatch.fnmatchcase(name, pattern)
+            for name in (m.fqn, *(aliases or {}).get(m.fqn, ()))):
         return True
     return m.target == pattern or m.target.rsplit(".", 1)[0] == pattern

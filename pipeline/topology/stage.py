@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline import runtime
+from pipeline import artifacts, runtime
+from pipeline.artifacts import GRAPH
 from pipeline.topology.artifacts import write_topology
 from pipeline.topology.groups import group_nodes
 from pipeline.topology.ir import IRNode, read_nodes
@@ -25,14 +26,17 @@ from pipeline.topology.strategies import StrategyEnumerator
 
 def build_topology(nodes: list[IRNode], mesh: Any, mesh_shape: tuple[int, ...],
                    mesh_names: tuple[str, ...], constraints: dict[str, Any],
-                   tie_repeated_layers: bool) -> Topology:
+                   tie_repeated_layers: bool, tied_params: dict[str, str] | None = None
+                   ) -> Topology:
     """Build the placement problem from the decoded graph (see pipeline/topology/).
 
     ``constraints`` keys used here: ``inputs``, ``outputs`` and ``nodes`` (pins,
     pipeline/topology/pins.py) and ``fwd_bwd_consistency`` (tie parameters to their
     gradient sinks, default true). ``tie_repeated_layers`` ties the copies of each
-    repeated layer (config ``repeated_layers``). Raises TopologyError for a pin
-    that matches nothing or no strategy.
+    repeated layer (config ``repeated_layers``). ``tied_params``: ``{alias:
+    parameter}`` of tied parameters (graph metadata), so a pin naming an alias pins the
+    one placeholder of the tensor. Raises TopologyError for a pin that matches nothing
+    or no strategy.
     """
     start = time.perf_counter()
     pin_spec = parse_pins(constraints, len(mesh_shape))
@@ -41,7 +45,7 @@ def build_topology(nodes: list[IRNode], mesh: Any, mesh_shape: tuple[int, ...],
     problem, fallback_ops = graph_problem_nodes(nodes, enumerator, table)
     strategies_seconds = time.perf_counter() - start
     add_output_sinks(nodes, problem, table, len(mesh_shape))
-    requests = pin_requests(pin_spec, nodes, problem)
+    requests = pin_requests(pin_spec, nodes, problem, tied_params)
     edges = problem_edges(problem)
     grouping = group_nodes(nodes, problem, table,
                            tie_fwd_bwd=bool(constraints.get("fwd_bwd_consistency", True)),
@@ -74,12 +78,13 @@ def run_topology(cfg: Any, trace_dir: Path, out_dir: Path) -> None:
     timer = runtime.PhaseTimer()
     with timer.phase("topology"):
         nodes = read_nodes(Path(trace_dir))
+        tied = artifacts.table_metadata(GRAPH, Path(trace_dir)).get("tied_parameters") or {}
         mesh_shape = tuple(int(s) for s in cfg.mesh)
         mesh_names = tuple(cfg.mesh_names)
         constraints = OmegaConf.to_container(cfg.constraints, resolve=True) or {}
         mesh = device_mesh(mesh_shape, mesh_names)
         topo = build_topology(nodes, mesh, mesh_shape, mesh_names, constraints,
-                              bool(cfg.repeated_layers))
+                              bool(cfg.repeated_layers), tied_params=tied)
     write_topology(topo, Path(out_dir), {
-        "stage": "topology", "phase_seconds": timer.seconds,
+        "stage": "topology", "tied_parameters": tied, "phase_seconds": timer.seconds,
         "peak_rss_bytes": runtime.peak_rss_bytes(), "git": runtime.git_revision()})

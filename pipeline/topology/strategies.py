@@ -389,10 +389,16 @@ class StrategyEnumerator:
                     out = (out,) + (None,) * (len(node.outputs) - 1)
             if not ok:
                 continue
-            in_specs = list(spec.input_specs or [])
-            inp = [tuple(s.placements) if s is not None else replicate
-                   for s in in_specs[: len(metas)]]
-            inp += [replicate] * (len(metas) - len(inp))
+            if spec.input_specs is None and not isinstance(o, (tuple, list)):
+                # DTensor's convention (propagate_op_sharding): an OpSpec without
+                # input_specs expects every input in the output's placement
+                # (slice_backward, ...), not Replicate.
+                inp = [tuple(o.placements)] * len(metas)
+            else:
+                in_specs = list(spec.input_specs or [])
+                inp = [tuple(s.placements) if s is not None else replicate
+                       for s in in_specs[: len(metas)]]
+                inp += [replicate] * (len(metas) - len(inp))
             if not all(shardable(m["shape"], p, self.mesh_shape) for p, m in zip(inp, metas)):
                 continue
             key = (out, tuple(inp))

@@ -23,6 +23,7 @@ if str(PROJECT_ROOT) not in sys.path:
     sys.path.insert(0, str(PROJECT_ROOT))
 
 from pipeline.artifacts import SENTINELS, stage_outputs as _stage_artifacts
+from pipeline.cli import preflight_trace
 from pipeline.config import (
     ConfigError,
     load_resolved,
@@ -35,6 +36,7 @@ from pipeline.paper import experiment_name, experiment_overrides, load_experimen
 
 try:
     PLAN_CFG = load_resolved(overrides_from_snakemake(config, sys.argv))
+    preflight_trace(PLAN_CFG)  # model checks needing imports / a forward on meta
 except ConfigError as err:
     print(err, file=sys.stderr)
     sys.exit(2)
