@@ -1,5 +1,34 @@
-"""Shared pytest configuration."""
+"""Session fixtures every test file may request: the subprocess pool and the shared toy
+results (see :mod:`fixtures`). Markers are declared in pyproject.toml."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from fixtures import Jobs, ToyResults, toy_configs_of
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: long exhaustive checks (deselect with -m 'not slow')")
+@pytest.fixture(scope="session")
+def jobs() -> Iterator[Jobs]:
+    """The session's subprocess pool (``PIPELINE_TEST_WORKERS`` at a time)."""
+    pool = Jobs()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def toy_results(tmp_path_factory: pytest.TempPathFactory, jobs: Jobs) -> ToyResults:
+    """The session's shared toy results. Read-only: copy before writing
+    (:meth:`fixtures.ToyResults.copy_run`)."""
+    return ToyResults(tmp_path_factory.mktemp("toy") / "results", jobs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_toy_runs(request: pytest.FixtureRequest) -> None:
+    """At the start of the session, queue every toy config the selected tests declare
+    (``toy_runs`` markers), in the order the tests need them, so that the runs are made
+    while earlier tests run."""
+    configs = toy_configs_of(request.session.items)
+    if configs:
+        request.getfixturevalue("toy_results").prefetch(configs)

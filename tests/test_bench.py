@@ -38,6 +38,7 @@ def run_bench(cwd: Path, *args: str, timeout: float = 900) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_smoke_suite_fresh(tmp_path):
     out = tmp_path / "bench"
     proc = run_bench(tmp_path, "--suite", "smoke", "--fresh", "--out", str(out))

@@ -232,6 +232,7 @@ def _results(results: Path) -> list[tuple]:
     return out
 
 
+@pytest.mark.slow
 def test_pipeline_shows_bars_on_a_terminal_only_and_the_plan_is_the_same(tmp_path):
     code, err = _run_on_terminal(tmp_path / "tty")
     assert code == 0, err[-3000:]

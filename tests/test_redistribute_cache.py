@@ -149,6 +149,7 @@ def test_strided_planner_equals_dtensor_2x2x2_all():
     _check_strided_equal_dtensor((2, 2, 2), (16, 16), pairs)
 
 
+@pytest.mark.slow
 def test_strided_planner_equals_dtensor_2x4x8_sample():
     # placements of the toy model on 2x4x8 (FSDP-style _StridedShards)
     srcs = [
