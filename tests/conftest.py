@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from fixtures import Jobs, ToyResults, toy_configs_of
+from fixtures import Jobs, ToyResults, queue_own_jobs, toy_configs_of
 
 
 @pytest.fixture(scope="session")
@@ -25,10 +25,13 @@ def toy_results(tmp_path_factory: pytest.TempPathFactory, jobs: Jobs) -> ToyResu
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _start_toy_runs(request: pytest.FixtureRequest) -> None:
+def _start_jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                jobs: Jobs) -> None:
     """At the start of the session, queue every toy config the selected tests declare
-    (``toy_runs`` markers), in the order the tests need them, so that the runs are made
-    while earlier tests run."""
-    configs = toy_configs_of(request.session.items)
+    (``toy_runs`` markers) and the test modules' own jobs (``OWN_JOBS``), in the order
+    the tests need them, so that the runs are made while earlier tests run."""
+    items = request.session.items
+    configs = toy_configs_of(items)
     if configs:
         request.getfixturevalue("toy_results").prefetch(configs)
+    queue_own_jobs(jobs, items, tmp_path_factory)

@@ -290,6 +290,32 @@ class ToyResults:
         return dst
 
 
+def own_jobs_dir(tmp_path_factory: pytest.TempPathFactory, module: str) -> Path:
+    """The session's directory for the own jobs of test module ``module``."""
+    path = tmp_path_factory.getbasetemp() / f"own-jobs-{module}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def queue_own_jobs(jobs: Jobs, items: Sequence[pytest.Item],
+                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Queue the own subprocesses of the test modules of ``items``, each at the index of
+    the first selected test that reads it. A module declares them with ``OWN_JOBS``
+    (job key -> names of the tests that read it) and ``own_job_argv(key, base)`` ->
+    ``(argv, PYTHONHASHSEED)``, ``base`` being :func:`own_jobs_dir` of the module."""
+    for i, item in enumerate(items):
+        module = item.module
+        own = getattr(module, "OWN_JOBS", None)
+        if own is None:
+            continue
+        name = getattr(item, "originalname", item.name)
+        for key, tests in own.items():
+            if name in tests:
+                argv, seed = module.own_job_argv(key, own_jobs_dir(tmp_path_factory,
+                                                                   module.__name__))
+                jobs.submit(key, argv, ROOT, seed=seed, priority=i)
+
+
 def toy_configs_of(items: Sequence[pytest.Item]) -> list[tuple[int, tuple[str, ...]]]:
     """(index of the test, config) of every config the ``toy_runs`` markers of ``items``
     declare, parameters filled in; tests that are skipped or not run declare none."""

@@ -73,8 +73,9 @@ def test_default_budget_shards_every_parameter(dp8: Path) -> None:
     assert pm["bytes_per_device"] == pytest.approx(4 * sum(TOY_PARAMS) / 8, rel=1e-12)
     # Gradient sinks carry their parameter's placement (fwd/bwd tie).
     grads = sol[sol.role == "grad"].set_index("name")
+    fqn_of = _fqns(dp8)
     for row in params.itertuples():
-        fqn = _fqn_of(dp8, row.name)
+        fqn = fqn_of[row.name]
         assert grads.loc[f"output:grad:{fqn}", "output_placement"] == row.output_placement
 
 
@@ -168,10 +169,11 @@ def test_no_budget_is_ddp_like(dp8: Path) -> None:
     assert rec["collectives"]["all_reduce(dp)"]["count"] == 21 + 2
 
 
-def _fqn_of(tmp: Path, name: str) -> str:
+def _fqns(tmp: Path) -> dict[str, str]:
+    """Node name -> fqn of the mesh-8 topology."""
     cfg = load_resolved(["model=toy", f"results_dir={tmp}", "mesh=8"])
     nodes = pd.read_parquet(Path(stage_dirs(cfg).topology) / "nodes.parquet")
-    return nodes.set_index("name").loc[name, "fqn"]
+    return dict(zip(nodes["name"], nodes["fqn"]))
 
 
 @pytest.mark.parametrize("overrides,expected", [

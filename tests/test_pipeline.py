@@ -45,7 +45,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-from fixtures import ROOT, SEED, Jobs, ToyResults
+from fixtures import SEED, Jobs, ToyResults, own_jobs_dir
 
 #: Meshes of the lazy/eager and evaluator checks.
 MESHES: list[str] = ["8", "2x4"]
@@ -166,19 +166,17 @@ _REPEATED_SCRIPT = textwrap.dedent("""
     import json, sys
     from pipeline.config import load_resolved, stage_dirs
     from pipeline.cli import run_stage
-    results_dir = sys.argv[1]
-    cases = {
+    results_dir, name = sys.argv[1:3]
+    overrides = {
         "llama1b": ["model=llama1b", "mesh=8"],
         "toy3": ["model=toy", "model.n_layers=3", "model.ffn_hidden_overrides={1:512}",
                  "mesh=2x4"],
-    }
-    out = {}
-    for name, overrides in cases.items():
-        cfg = load_resolved(overrides + [f"results_dir={results_dir}"])
-        dirs = stage_dirs(cfg)
-        run_stage("trace", cfg, dirs)
-        run_stage("topology", cfg, dirs)
-        out[name] = str(dirs.topology)
+    }[name]
+    cfg = load_resolved(overrides + [f"results_dir={results_dir}"])
+    dirs = stage_dirs(cfg)
+    run_stage("trace", cfg, dirs)
+    run_stage("topology", cfg, dirs)
+    out = {name: str(dirs.topology)}
     print("TOPOLOGY_DIRS " + json.dumps(out))
 """)
 
@@ -196,39 +194,31 @@ def toy_runs(*runs: tuple[str, str]) -> pytest.MarkDecorator:
 
 #: This file's own subprocesses, each with its own results directory (not the shared
 #: toy results): another hash seed, a fresh process watching its imports, and the
-#: topologies of two other models. Key -> the tests that read it.
+#: topologies of two other models. Key -> the tests that read it; queued at session
+#: start (fixtures.queue_own_jobs) with the argv of :func:`own_job_argv`.
 OWN_JOBS: dict[str, tuple[str, ...]] = {
     "hashseed": ("test_placement_hash_independent_of_hash_seed",),
     "nopulp": ("test_approx_path_never_imports_pulp",),
-    "repeated": ("test_repeated_layers_llama1b_one_class",
-                 "test_repeated_layers_other_width_not_tied"),
+    "repeated-llama1b": ("test_repeated_layers_llama1b_one_class",),
+    "repeated-toy3": ("test_repeated_layers_other_width_not_tied",),
 }
 
 
-def _own_job_argv(key: str, base: Path) -> tuple[list[str], str]:
+def own_job_argv(key: str, base: Path) -> tuple[list[str], str]:
+    """(argv, PYTHONHASHSEED) of own job ``key``, writing under ``base``."""
     py = sys.executable
     if key == "hashseed":
         return [py, "-m", "pipeline", "model=toy", *toy_overrides("2x4", "lazy"),
                 f"results_dir={base / 'hashseed'}"], SEED_OTHER
-    script = {"nopulp": _NO_PULP_SCRIPT, "repeated": _REPEATED_SCRIPT}[key]
-    return [py, "-c", script, str(base / key)], SEED
+    if key == "nopulp":
+        return [py, "-c", _NO_PULP_SCRIPT, str(base / key)], SEED
+    return [py, "-c", _REPEATED_SCRIPT, str(base / "repeated"), key.split("-")[1]], SEED
 
 
 @pytest.fixture(scope="module")
-def own_jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-             jobs: Jobs) -> Path:
-    """Queues this file's own jobs that the selected tests need (in the session's pool,
-    in test order); their base directory."""
-    base = tmp_path_factory.mktemp("pipeline")
-    for i, item in enumerate(request.session.items):
-        if item.module is not sys.modules[__name__]:
-            continue
-        name = getattr(item, "originalname", item.name)
-        for key, tests in OWN_JOBS.items():
-            if name in tests:
-                argv, seed = _own_job_argv(key, base)
-                jobs.submit(key, argv, ROOT, seed=seed, priority=i)
-    return base
+def own_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The base directory of this file's own jobs."""
+    return own_jobs_dir(tmp_path_factory, __name__)
 
 
 @dataclass
@@ -810,8 +800,9 @@ def _groups_by_layer(nodes: dict) -> dict[str, set[int]]:
     return out
 
 
+@pytest.mark.slow  # llama1b's trace: about a minute
 def test_repeated_layers_llama1b_one_class(jobs: Jobs, own_jobs: Path) -> None:
-    dirs = jobs.result("repeated").tagged("TOPOLOGY_DIRS")
+    dirs = jobs.result("repeated-llama1b").tagged("TOPOLOGY_DIRS")
     summary, nodes = _nodes_of(dirs["llama1b"])
     layers = [f"layers.{i}" for i in range(16)]
     classes = summary["repeated_blocks"]
@@ -827,7 +818,7 @@ def test_repeated_layers_llama1b_one_class(jobs: Jobs, own_jobs: Path) -> None:
 
 
 def test_repeated_layers_other_width_not_tied(jobs: Jobs, own_jobs: Path) -> None:
-    dirs = jobs.result("repeated").tagged("TOPOLOGY_DIRS")
+    dirs = jobs.result("repeated-toy3").tagged("TOPOLOGY_DIRS")
     summary, nodes = _nodes_of(dirs["toy3"])
     # the override took effect: layer 1's FFN is 512 wide, the others 768
     widths = {fqn: json.loads(m)[0]["shape"][0] for fqn, m in zip(nodes["fqn"],
