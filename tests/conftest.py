@@ -1,12 +1,20 @@
 """Session fixtures every test file may request: the subprocess pool and the shared toy
-results (see :mod:`fixtures`). Markers are declared in pyproject.toml."""
+results (see :mod:`fixtures`), and the order of the session: tests that read background
+jobs run after the others, so that the jobs (queued at session start) are made while
+the other tests run. Markers are declared in pyproject.toml."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
-from fixtures import Jobs, ToyResults, queue_own_jobs, toy_configs_of
+from fixtures import Jobs, ToyResults, queue_own_jobs, reads_jobs, toy_configs_of
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that read background jobs last (a stable partition: each part keeps the
+    order pytest collected it in)."""
+    items[:] = [i for i in items if not reads_jobs(i)] + [i for i in items if reads_jobs(i)]
 
 
 @pytest.fixture(scope="session")

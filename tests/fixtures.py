@@ -64,14 +64,15 @@ TOY_PARAMS = (
 
 
 
-def child_env(seed: str | None = None, **extra: str) -> dict[str, str]:
-    """This process's environment, with this checkout first on ``PYTHONPATH`` (so a
-    subprocess imports the code under test) and, if given, ``PYTHONHASHSEED=seed``."""
-    env = dict(os.environ)
+def child_env(seed: str) -> dict[str, str]:
+    """The environment of a background job: this process's, with this checkout first on
+    ``PYTHONPATH`` (so the job imports the code under test), ``PYTHONHASHSEED=seed``,
+    and no ``PIPELINE_PROGRESS`` (a job's stderr is a pipe: it draws no bars)."""
+    from pipeline.progress import ENV_VAR
+
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    if seed is not None:
-        env["PYTHONHASHSEED"] = seed
-    env.update(extra)
+    env["PYTHONHASHSEED"] = seed
     return env
 
 
@@ -146,6 +147,8 @@ class Jobs:
     def result(self, key: str) -> JobResult:
         """The finished job ``key`` (moved to the front and waited for); AssertionError
         if it failed."""
+        if key not in self._specs:
+            raise KeyError(f"job {key} was never queued")
         argv, cwd, seed = self._specs[key]
         self.submit(key, argv, cwd, seed)
         return self.futures[key].result()
@@ -173,6 +176,8 @@ class Jobs:
                                 stderr=subprocess.PIPE, text=True)
         with self._cv:
             self._procs.append(proc)
+            if self._closed:  # closed while this one was starting
+                proc.terminate()
         try:
             stdout, stderr = proc.communicate(timeout=JOB_TIMEOUT)
         except subprocess.TimeoutExpired as err:
@@ -213,7 +218,6 @@ class ToyRun:
     record: dict
     plan: list[dict]
     seconds: float
-    stderr: str
 
     def solution(self) -> Any:
         """``solution.parquet`` as a pandas DataFrame."""
@@ -254,6 +258,8 @@ class ToyResults:
 
     def run(self, *overrides: str) -> ToyRun:
         """The finished run of ``model=toy <overrides>`` (made now if nobody started it)."""
+        import pyarrow.parquet as pq
+
         from pipeline.config import stage_dirs
 
         if overrides not in self._runs:
@@ -261,14 +267,11 @@ class ToyResults:
             res = self.jobs.result(self._key(overrides))
             cfg = self.cfg(*overrides)
             dirs = stage_dirs(cfg)
-            import pyarrow.parquet as pq
-
             record = json.loads((Path(dirs.solve) / "run.json").read_text())
             rows = pq.read_table(Path(dirs.solve) / "solution.parquet").to_pylist()
             rows.sort(key=lambda r: r["node"])
             assert [r["node"] for r in rows] == list(range(len(rows)))
-            self._runs[overrides] = ToyRun(overrides, cfg, dirs, record, rows, res.seconds,
-                                           res.stderr)
+            self._runs[overrides] = ToyRun(overrides, cfg, dirs, record, rows, res.seconds)
         return self._runs[overrides]
 
     def copy_run(self, dest: Path, *overrides: str, upto: str = "solve") -> Any:
@@ -278,8 +281,7 @@ class ToyResults:
         run's stage directories under ``dest``."""
         from pipeline.config import stage_dirs
 
-        self.run(*overrides)
-        src = stage_dirs(self.cfg(*overrides))
+        src = self.run(*overrides).dirs
         dst = stage_dirs(self.cfg(*overrides, results_dir=dest))
         for stage in RUN_STAGES[:RUN_STAGES.index(upto) + 1]:
             out = Path(dst.of(stage))
@@ -302,7 +304,8 @@ def queue_own_jobs(jobs: Jobs, items: Sequence[pytest.Item],
     """Queue the own subprocesses of the test modules of ``items``, each at the index of
     the first selected test that reads it. A module declares them with ``OWN_JOBS``
     (job key -> names of the tests that read it) and ``own_job_argv(key, base)`` ->
-    ``(argv, PYTHONHASHSEED)``, ``base`` being :func:`own_jobs_dir` of the module."""
+    ``(argv, PYTHONHASHSEED)``, ``base`` being :func:`own_jobs_dir` of the module (the
+    job's working directory)."""
     for i, item in enumerate(items):
         module = item.module
         own = getattr(module, "OWN_JOBS", None)
@@ -311,9 +314,18 @@ def queue_own_jobs(jobs: Jobs, items: Sequence[pytest.Item],
         name = getattr(item, "originalname", item.name)
         for key, tests in own.items():
             if name in tests:
-                argv, seed = module.own_job_argv(key, own_jobs_dir(tmp_path_factory,
-                                                                   module.__name__))
-                jobs.submit(key, argv, ROOT, seed=seed, priority=i)
+                base = own_jobs_dir(tmp_path_factory, module.__name__)
+                argv, seed = module.own_job_argv(key, base)
+                jobs.submit(key, argv, base, seed=seed, priority=i)
+
+
+def reads_jobs(item: pytest.Item) -> bool:
+    """Whether ``item`` reads a background job: a ``toy_runs`` marker, or a test its
+    module's ``OWN_JOBS`` names."""
+    if item.get_closest_marker("toy_runs"):
+        return True
+    name = getattr(item, "originalname", item.name)
+    return any(name in tests for tests in getattr(item.module, "OWN_JOBS", {}).values())
 
 
 def toy_configs_of(items: Sequence[pytest.Item]) -> list[tuple[int, tuple[str, ...]]]:
