@@ -3,7 +3,8 @@ processes, ``--dry-run``, one-line usage errors, and a failing case recorded as 
 without stopping the suite.
 
 The smoke suite runs six toy-model cases, each a fresh ``python -m pipeline`` process
-(about a minute on an idle 2-core machine).
+(about a minute on an idle 2-core machine; ``slow``), as a background job of the session
+queued at its start.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from fixtures import SEED, own_jobs_dir
 
 from pipeline import bench
 
@@ -38,10 +40,21 @@ def run_bench(cwd: Path, *args: str, timeout: float = 900) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_smoke_suite_fresh(tmp_path):
-    out = tmp_path / "bench"
-    proc = run_bench(tmp_path, "--suite", "smoke", "--fresh", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+#: The smoke suite runs as a background job of the session (tests/fixtures.py).
+OWN_JOBS = {"bench-smoke": ("test_smoke_suite_fresh",)}
+
+
+def own_job_argv(key: str, base: Path) -> tuple[list[str], str]:
+    """``python -m pipeline.bench --suite smoke --fresh`` into ``base/bench``."""
+    assert key == "bench-smoke", key
+    return [sys.executable, "-m", "pipeline.bench", "--suite", "smoke", "--fresh", "--out",
+            str(base / "bench")], SEED
+
+
+@pytest.mark.slow
+def test_smoke_suite_fresh(jobs, tmp_path_factory):
+    out = own_jobs_dir(tmp_path_factory, __name__) / "bench"
+    proc = jobs.result("bench-smoke")  # exit 0, or AssertionError with its stderr
     n = len(bench.SUITES["smoke"].cases)
     progress = [ln for ln in proc.stderr.splitlines() if ln.startswith("[")]
     assert len(progress) == n  # one progress line per case

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from fixtures import TOY_PARAMS, ToyResults
 
 from pipeline.config import load_resolved, stage_dirs
 from pipeline.solvers.lagrangian import repair, row_value, solve_with_row, tighten
@@ -25,13 +26,9 @@ from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Parameter shapes of the toy model, in elements (float32 storage).
-TOY_PARAMS = (
-    [1024 * 256]  # tok_embeddings
-    + 2 * [256, 256 * 256, 128 * 256, 128 * 256, 256 * 256, 256, 768 * 256, 256 * 768,
-           768 * 256]  # per layer: norms, wq, wk, wv, wo, w1, w2, w3
-    + [256, 1024 * 256]  # final norm, output
-)
+#: The two mesh-8 runs of ``dp8`` (default budget, no budget), from the shared results.
+DP8_RUNS = (("mesh=8", "lazy_costs=true"),
+            ("mesh=8", "lazy_costs=true", "constraints.param_memory=null"))
 
 
 def _run(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -49,12 +46,12 @@ def _outputs(tmp: Path, *overrides: str) -> tuple[dict, pd.DataFrame]:
 
 
 @pytest.fixture(scope="module")
-def dp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("dp8")
-    for extra in ([], ["constraints.param_memory=null"]):
-        proc = _run(tmp, "mesh=8", *extra)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    return tmp
+def dp8(toy_results: ToyResults) -> Path:
+    """The shared results directory, with the toy mesh-8 runs with and without the
+    parameter-memory budget made (read-only)."""
+    for overrides in DP8_RUNS:
+        toy_results.run(*overrides)
+    return toy_results.root
 
 
 def test_toy_param_count() -> None:
@@ -62,6 +59,7 @@ def test_toy_param_count() -> None:
     assert sum(TOY_PARAMS) == 2_098_432  # 8,393,728 bytes in float32
 
 
+@pytest.mark.toy_runs(*DP8_RUNS)
 def test_default_budget_shards_every_parameter(dp8: Path) -> None:
     rec, sol = _outputs(dp8, "mesh=8")
     params = sol[sol.role == "param"]
@@ -76,11 +74,13 @@ def test_default_budget_shards_every_parameter(dp8: Path) -> None:
     assert pm["bytes_per_device"] == pytest.approx(4 * sum(TOY_PARAMS) / 8, rel=1e-12)
     # Gradient sinks carry their parameter's placement (fwd/bwd tie).
     grads = sol[sol.role == "grad"].set_index("name")
+    fqn_of = _fqns(dp8)
     for row in params.itertuples():
-        fqn = _fqn_of(dp8, row.name)
+        fqn = fqn_of[row.name]
         assert grads.loc[f"output:grad:{fqn}", "output_placement"] == row.output_placement
 
 
+@pytest.mark.toy_runs(*DP8_RUNS)
 def test_no_budget_replicates_parameters(dp8: Path) -> None:
     rec, sol = _outputs(dp8, "mesh=8", "constraints.param_memory=null")
     assert "param_memory" not in rec
@@ -127,6 +127,7 @@ def _numel(shape: tuple) -> int:
     return math.prod(shape)
 
 
+@pytest.mark.toy_runs(*DP8_RUNS)
 def test_default_budget_is_fsdp_like(dp8: Path) -> None:
     """Every weight is stored sharded on dp, all-gathered for use, and its gradient
     reaches it through one reduce-scatter on dp (ZeRO-3 / FSDP)."""
@@ -150,6 +151,7 @@ def test_default_budget_is_fsdp_like(dp8: Path) -> None:
     assert set(coll) == {"all_gather(dp)", "reduce_scatter(dp)", "all_reduce(dp)"}
 
 
+@pytest.mark.toy_runs(*DP8_RUNS)
 def test_no_budget_is_ddp_like(dp8: Path) -> None:
     """Weights replicated, activations batch-sharded, every gradient all-reduced on dp."""
     rec, sol = _outputs(dp8, "mesh=8", "constraints.param_memory=null")
@@ -168,11 +170,13 @@ def test_no_budget_is_ddp_like(dp8: Path) -> None:
     assert rec["collectives"]["all_reduce(dp)"]["count"] == 21 + 2
 
 
-def test_eager_costs_store_the_budget_row(dp8: Path) -> None:
+@pytest.mark.toy_runs(("mesh=8", "lazy_costs=false"), ("mesh=8", "lazy_costs=true"))
+def test_eager_costs_store_the_budget_row(toy_results: ToyResults) -> None:
     from pipeline.artifacts import load_factors
 
-    proc = _run(dp8, "mesh=8", "lazy_costs=false")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    toy_results.run("mesh=8", "lazy_costs=false")
+    toy_results.run("mesh=8", "lazy_costs=true")
+    dp8 = toy_results.root
     rec, sol = _outputs(dp8, "mesh=8", "lazy_costs=false")
     lazy_rec, lazy_sol = _outputs(dp8, "mesh=8")
     costs_dir = Path(stage_dirs(load_resolved(["model=toy", f"results_dir={dp8}", "mesh=8",
@@ -195,7 +199,8 @@ def test_eager_costs_store_the_budget_row(dp8: Path) -> None:
     assert rec["param_memory"] == lazy_rec["param_memory"]
 
 
-def test_infeasible_budget_stops_eager_costs(dp8: Path) -> None:
+def test_infeasible_budget_stops_eager_costs(tmp_path: Path) -> None:
+    dp8 = tmp_path  # a run of its own: it writes the pinned config's trace and topology
     pin = "constraints.nodes=[{match:'output:grad:layers.0.attention.wq.weight',placement:R}]"
     proc = _run(dp8, "mesh=8", "lazy_costs=false", pin)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -207,10 +212,11 @@ def test_infeasible_budget_stops_eager_costs(dp8: Path) -> None:
     assert not Path(dirs.costs).exists()  # nothing of the costs stage is left
 
 
-def _fqn_of(tmp: Path, name: str) -> str:
+def _fqns(tmp: Path) -> dict[str, str]:
+    """Node name -> fqn of the mesh-8 topology."""
     cfg = load_resolved(["model=toy", f"results_dir={tmp}", "mesh=8"])
     nodes = pd.read_parquet(Path(stage_dirs(cfg).topology) / "nodes.parquet")
-    return nodes.set_index("name").loc[name, "fqn"]
+    return dict(zip(nodes["name"], nodes["fqn"]))
 
 
 @pytest.mark.parametrize("overrides,expected", [
@@ -224,11 +230,17 @@ def _fqn_of(tmp: Path, name: str) -> str:
     (["constraints.nodes=[{match:primals_1,placement:P}]"],
      "Partial"),
 ])
-def test_infeasible_constraints_fail_with_one_line(dp8: Path, overrides: list[str],
+@pytest.mark.toy_runs(DP8_RUNS[0])
+def test_infeasible_constraints_fail_with_one_line(toy_results: ToyResults, tmp_path: Path,
+                                                   overrides: list[str],
                                                    expected: str) -> None:
-    # dp8's results dir: the trace is reused, each case fails at its own stage.
+    # A copy of the shared mesh-8 trace: it is reused, each case fails at its own stage.
+    dp8 = tmp_path / "results"
+    toy_results.copy_run(dp8, *DP8_RUNS[0], upto="trace")
     proc = _run(dp8, "mesh=8", *overrides)
     assert proc.returncode == 2, proc.stderr[-2000:]
+    if "Partial" not in expected:  # refused at its stage: the copied trace was reused
+        assert "trace: reusing" in proc.stderr, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and " INFO" not in ln
              and "Warning" not in ln and "warn" not in ln.lower()]
     assert len(lines) == 1 and expected in lines[0], proc.stderr[-2000:]
@@ -238,12 +250,12 @@ def test_infeasible_constraints_fail_with_one_line(dp8: Path, overrides: list[st
         assert not (solve / "run.json").exists() and not solve.exists()
 
 
-def test_outputs_pin_logits(dp8: Path) -> None:
-    proc = _run(dp8, "mesh=2x4", "constraints.outputs=S(0)S(2)",
-                "constraints.param_memory=null")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    _, sol = _outputs(dp8, "mesh=2x4", "constraints.outputs=S(0)S(2)",
-                      "constraints.param_memory=null")
+PINNED = ("mesh=2x4", "constraints.outputs=S(0)S(2)", "constraints.param_memory=null")
+
+
+@pytest.mark.toy_runs(PINNED)
+def test_outputs_pin_logits(toy_results: ToyResults) -> None:
+    sol = toy_results.run(*PINNED).solution()  # python -m pipeline exited 0
     logits = sol[(sol.op == "aten._unsafe_view.default") & (sol.layer.isna())]
     pinned = logits[logits.output_placement == "S(0)S(2)"]
     assert len(pinned) == 1, logits[["name", "output_placement"]]

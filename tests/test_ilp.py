@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+from mrf_gen import loopy_mrf, optimum, step_sized_mrf
 
 from pipeline.solvers.errors import FractionalRelaxationError, InfeasibleError
 from pipeline.solvers.ilp import (
@@ -34,7 +35,6 @@ from pipeline.solvers.status import (
     map_highs_status,
     map_pulp_status,
 )
-from tests.mrf_gen import loopy_mrf, optimum, step_sized_mrf
 
 #: Seeds of the brute-force comparisons (40 instances: as many infeasible, binding-row
 #: and tied ones as the 24 of the former generator, or more).

@@ -17,8 +17,8 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+from fixtures import ToyResults, snakemake
 from omegaconf import OmegaConf
-from test_workflow import snakemake
 
 from pipeline import paper
 from pipeline.config import ConfigError, config_hash, load_resolved, stage_dirs
@@ -314,12 +314,22 @@ def test_python_m_pipeline_paper_bad_experiment_is_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_paper_end_to_end_from_two_real_runs(tmp_path, monkeypatch, capsys):
+@pytest.mark.toy_runs(("mesh=8", "lazy_costs=true"), ("mesh=8", "lazy_costs=false"))
+def test_paper_end_to_end_from_two_real_runs(tmp_path, monkeypatch, capsys,
+                                             toy_results: ToyResults):
     """A tiny experiment (toy, mesh 8, eager + lazy) through the CLI: --no-run refuses
     the missing runs in one line; without it the runs are made, then every artifact is
-    built from runs.parquet with the runs' real ids and revision."""
+    built from runs.parquet with the runs' real ids and revision. The runs' trace,
+    topology and costs are copied from the shared toy results: the paper makes the
+    solves."""
     monkeypatch.chdir(tmp_path)
     small = [*SMALL, "paper.table_mesh=8"]
+    for lazy in ("true", "false"):
+        toy_results.copy_run(tmp_path / "results", "mesh=8", f"lazy_costs={lazy}",
+                             upto="costs")
+    for run in paper.load_experiment(small).runs():  # the copies are the paper's runs
+        dirs = stage_dirs(run.cfg)
+        assert (dirs.costs / "costs.json").is_file() and not dirs.solve.exists(), dirs.solve
     assert paper.main(["--no-run", *small]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not in runs.parquet" in err

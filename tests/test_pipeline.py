@@ -18,15 +18,18 @@ bookkeeping (``solution.parquet``'s cost columns, ``CostModel``, ``plan_breakdow
    status, placement hash, counts, phases, peak RSS);
 7. the approx path never imports PuLP (lazy or eager).
 
-Every pipeline run is a subprocess started once per session by the ``jobs`` fixture,
-two at a time, longest first, so the whole file takes a few minutes on 2 cores;
-only the jobs the selected tests need are started. The 2x4x8 cases are listed in
-:data:`MESHES_2X4X8` (about one minute per cost mode).
+The toy runs are the session's shared ones (``toy_results``, tests/fixtures.py: one
+``python -m pipeline`` subprocess per config, ``PYTHONHASHSEED`` fixed, queued at session
+start in test order); the few runs of this file alone (another hash seed, a fresh
+process watching its imports, llama1b's topology) go through the same pool with their
+own results directories. The 2x4x8 cases are listed in :data:`MESHES_2X4X8` (about one
+minute per cost mode) and marked ``slow``.
 
-A regression guard: should ``pipeline.costs.load_factors`` again keep a full copy of
-the archive per factor (:data:`LOAD_FACTORS_COPIES_ARCHIVE`, probed on a small
-synthetic MRF), the eager 2x4x8 run is not started (it would be OOM-killed) and the
-checks that need it are xfailed.
+``test_eager_factors_load_once`` checks that ``pipeline.costs.load_factors`` keeps
+each array of ``factors.npz`` once. Should it again keep a full copy of the archive per
+factor (:data:`LOAD_FACTORS_COPIES_ARCHIVE`, probed on a small synthetic MRF), that
+test fails, and the eager 2x4x8 run is not started (it would be OOM-killed): the
+checks that need it are skipped.
 """
 
 from __future__ import annotations
@@ -34,20 +37,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter, defaultdict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from fixtures import SEED, Jobs, ToyResults, own_jobs_dir
 
 #: Meshes of the lazy/eager and evaluator checks.
 MESHES: list[str] = ["8", "2x4"]
@@ -57,12 +56,9 @@ MESHES_2X4X8: list[str] = [] if os.environ.get("PIPELINE_TEST_NO_2X4X8") else ["
 ALL_MESHES: list[str] = MESHES + MESHES_2X4X8
 MODES: tuple[str, ...] = ("lazy", "eager")
 
-#: Concurrent pipeline subprocesses (the machine has 2 cores).
-WORKERS = int(os.environ.get("PIPELINE_TEST_WORKERS", "2"))
-#: Safety net per subprocess, seconds.
-JOB_TIMEOUT = float(os.environ.get("PIPELINE_TEST_JOB_TIMEOUT", "1200"))
-#: PYTHONHASHSEED of the shared runs; the hash-seed test reruns 2x4 with another seed.
-SEED_MAIN, SEED_OTHER = "1", "2"
+#: PYTHONHASHSEED of the hash-seed test's rerun of 2x4 (the shared runs: fixtures.SEED).
+SEED_OTHER = "2"
+assert SEED_OTHER != SEED
 
 REL = 1e-9
 
@@ -92,12 +88,13 @@ def load_factors_overhead(path: Path) -> float:
 
 
 def _probe_load_factors() -> float:
-    """``load_factors_overhead`` of a small synthetic chain MRF (30 factors)."""
+    """``load_factors_overhead`` of a small synthetic chain MRF (30 factors), after
+    checking that its factors read back equal."""
     import tempfile
 
     import numpy as np
 
-    from pipeline.costs import save_factors
+    from pipeline.costs import load_factors, save_factors
     from pipeline.solvers.mrf import MRF, PairwiseFactor
 
     rng = np.random.default_rng(0)
@@ -111,17 +108,24 @@ def _probe_load_factors() -> float:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "factors.npz"
         save_factors(path, mrf, factors)
+        back = load_factors(path)  # the values read back are the ones written
+        assert all(np.array_equal(a, b) for a, b in zip(back.unary, mrf.unary))
+        for e, f in enumerate(factors):
+            g = back.factor(e)
+            assert np.array_equal(g.row_cls, f.row_cls) and np.array_equal(g.col_cls, f.col_cls)
+            assert np.array_equal(g.table, f.table)
         return load_factors_overhead(path)
 
 
-#: pipeline.costs.load_factors indexes the lazy ``np.load`` archive inside its loop, so
-#: every factor holds a fresh copy of the whole ``table`` array: the eager 2x4x8 solve
-#: then needs ~35 GB (OOM). While this holds, the eager 2x4x8 run is not started and
-#: the checks that need it are xfailed.
+#: Whether pipeline.costs.load_factors keeps a copy of the whole archive per factor
+#: (as it did when it indexed the lazy ``np.load`` archive inside its loop: the eager
+#: 2x4x8 solve then needs ~35 GB, OOM). While this holds, test_eager_factors_load_once
+#: fails, and the eager 2x4x8 run is not started. A probe that raises counts as a copy
+#: (the run is not risked); the test then fails with the probe's error.
 try:
     LOAD_FACTORS_COPIES_ARCHIVE = _probe_load_factors() > 2.0
-except Exception:  # noqa: BLE001 - the probe must not break collection; the tests will
-    LOAD_FACTORS_COPIES_ARCHIVE = False
+except Exception:  # noqa: BLE001 - collection must go on; test_eager_factors_load_once raises it
+    LOAD_FACTORS_COPIES_ARCHIVE = True
 LOAD_FACTORS_REASON = ("pipeline.costs.load_factors re-reads whole arrays of factors.npz "
                        "for every factor (z['table'] inside the loop), so the eager 2x4x8 "
                        "solve needs tens of GB and is OOM-killed")
@@ -130,7 +134,7 @@ LOAD_FACTORS_REASON = ("pipeline.costs.load_factors re-reads whole arrays of fac
 def needs_eager_factors(mesh: str) -> list:
     """Marks for a check that needs the eager run at ``mesh``."""
     if LOAD_FACTORS_COPIES_ARCHIVE and mesh in MESHES_2X4X8:
-        return [pytest.mark.xfail(reason=LOAD_FACTORS_REASON, run=False)]
+        return [pytest.mark.skip(reason=f"{LOAD_FACTORS_REASON} (test_eager_factors_load_once)")]
     return []
 
 
@@ -138,8 +142,9 @@ def run_key(mesh: str, mode: str) -> str:
     return f"toy-{mesh}-{mode}"
 
 
-def toy_overrides(mesh: str, mode: str) -> list[str]:
-    return ["model=toy", f"mesh={mesh}", f"lazy_costs={'true' if mode == 'lazy' else 'false'}"]
+def toy_overrides(mesh: str, mode: str) -> tuple[str, ...]:
+    """Overrides of the toy run at ``mesh`` (``model=toy`` is implied)."""
+    return (f"mesh={mesh}", f"lazy_costs={'true' if mode == 'lazy' else 'false'}")
 
 
 # --------------------------------------------------------------------------- jobs
@@ -162,113 +167,19 @@ _REPEATED_SCRIPT = textwrap.dedent("""
     import json, sys
     from pipeline.config import load_resolved, stage_dirs
     from pipeline.cli import run_stage
-    results_dir = sys.argv[1]
-    cases = {
+    results_dir, name = sys.argv[1:3]
+    overrides = {
         "llama1b": ["model=llama1b", "mesh=8"],
         "toy3": ["model=toy", "model.n_layers=3", "model.ffn_hidden_overrides={1:512}",
                  "mesh=2x4"],
-    }
-    out = {}
-    for name, overrides in cases.items():
-        cfg = load_resolved(overrides + [f"results_dir={results_dir}"])
-        dirs = stage_dirs(cfg)
-        run_stage("trace", cfg, dirs)
-        run_stage("topology", cfg, dirs)
-        out[name] = str(dirs.topology)
+    }[name]
+    cfg = load_resolved(overrides + [f"results_dir={results_dir}"])
+    dirs = stage_dirs(cfg)
+    run_stage("trace", cfg, dirs)
+    run_stage("topology", cfg, dirs)
+    out = {name: str(dirs.topology)}
     print("TOPOLOGY_DIRS " + json.dumps(out))
 """)
-
-
-@dataclass
-class JobSpec:
-    key: str
-    argv: list[str]
-    seed: str
-    cost: float  # rough seconds, for scheduling longest first
-
-
-@dataclass
-class JobResult:
-    key: str
-    stdout: str
-    stderr: str
-    seconds: float
-
-    def tagged(self, tag: str) -> Any:
-        """The JSON printed after ``tag`` on stdout."""
-        for line in self.stdout.splitlines():
-            if line.startswith(tag + " "):
-                return json.loads(line[len(tag) + 1:])
-        raise AssertionError(f"job {self.key}: no '{tag}' line on stdout:\n{self.stdout[-2000:]}")
-
-
-class Jobs:
-    """Pipeline subprocesses of the session, run ``WORKERS`` at a time."""
-
-    def __init__(self, base: Path) -> None:
-        self.base = base
-        self.main_dir = base / "main"  # the shared toy runs (and their report)
-        self.pool = ThreadPoolExecutor(max_workers=WORKERS)
-        self.futures: dict[str, Future] = {}
-        self.procs: list[subprocess.Popen] = []
-        self.specs = self._specs()
-
-    def _specs(self) -> dict[str, JobSpec]:
-        py = sys.executable
-        specs = {}
-        cost = {"8": 12.0, "2x4": 25.0}
-        for mesh in ALL_MESHES:
-            for mode in MODES:
-                key = run_key(mesh, mode)
-                specs[key] = JobSpec(key, [py, "-m", "pipeline", *toy_overrides(mesh, mode),
-                                           f"results_dir={self.main_dir}"], SEED_MAIN,
-                                     cost.get(mesh, 90.0))
-        specs["hashseed"] = JobSpec("hashseed", [
-            py, "-m", "pipeline", *toy_overrides("2x4", "lazy"),
-            f"results_dir={self.base / 'hashseed'}"], SEED_OTHER, 30.0)
-        specs["nopulp"] = JobSpec("nopulp", [py, "-c", _NO_PULP_SCRIPT,
-                                             str(self.base / "nopulp")], SEED_MAIN, 35.0)
-        specs["repeated"] = JobSpec("repeated", [py, "-c", _REPEATED_SCRIPT,
-                                                 str(self.base / "repeated")], SEED_MAIN, 40.0)
-        return specs
-
-    def submit(self, keys: list[str]) -> None:
-        for key in sorted(set(keys), key=lambda k: -self.specs[k].cost):
-            if key not in self.futures:
-                self.futures[key] = self.pool.submit(self._run, self.specs[key])
-
-    def result(self, key: str) -> JobResult:
-        self.submit([key])
-        return self.futures[key].result()
-
-    def _run(self, spec: JobSpec) -> JobResult:
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, PYTHONHASHSEED=spec.seed, PYTHONPATH=path)
-        start = time.perf_counter()
-        proc = subprocess.Popen(spec.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        self.procs.append(proc)
-        try:
-            stdout, stderr = proc.communicate(timeout=JOB_TIMEOUT)
-        except subprocess.TimeoutExpired as err:
-            proc.kill()
-            proc.communicate()
-            raise AssertionError(f"job {spec.key} timed out after {JOB_TIMEOUT:.0f} s: "
-                                 f"{' '.join(spec.argv[:6])}") from err
-        seconds = time.perf_counter() - start
-        if proc.returncode != 0:
-            raise AssertionError(
-                f"job {spec.key} failed (exit {proc.returncode}) after {seconds:.0f} s: "
-                f"{' '.join(spec.argv[:8])}\n--- stderr (tail) ---\n{stderr[-4000:]}")
-        return JobResult(spec.key, stdout, stderr, seconds)
-
-    def close(self) -> None:
-        """Drop the jobs not started; stop the ones still running (a test failed early)."""
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.terminate()
-        self.pool.shutdown(wait=True)
 
 
 def _runnable_runs() -> list[tuple[str, str]]:
@@ -277,45 +188,38 @@ def _runnable_runs() -> list[tuple[str, str]]:
             if not (md == "eager" and needs_eager_factors(m))]
 
 
-def _jobs_of_item(item: Any) -> list[str]:
-    """Job keys a collected test needs (see each test's parameters)."""
-    xfail = item.get_closest_marker("xfail")
-    if xfail is not None and xfail.kwargs.get("run", True) is False:
-        return []
-    name = getattr(item, "originalname", item.name).replace("test_3d_", "test_")
-    params = item.callspec.params if hasattr(item, "callspec") else {}
-    mesh = params.get("mesh")
-    mode = params.get("mode")
-    if name in ("test_lazy_and_eager_agree",):
-        return [run_key(mesh, m) for m in MODES]
-    if name in ("test_independent_evaluator_matches_run_record",):
-        return [run_key(mesh, mode)]
-    if name in ("test_plan_accepted_by_dtensor", "test_plan_ties_and_constraints"):
-        return [run_key(mesh, "lazy")]
-    if name == "test_enumerated_strategies_sample_accepted_by_dtensor":
-        return [run_key("2x4", "lazy")]
-    if name == "test_eager_factors_load_once":
-        return [run_key("2x4", "eager")]
-    if name == "test_placement_hash_independent_of_hash_seed":
-        return ["hashseed", run_key("2x4", "lazy")]
-    if name.startswith("test_report_"):
-        return [run_key(m, md) for m, md in _runnable_runs()]
-    if name == "test_approx_path_never_imports_pulp":
-        return ["nopulp"]
-    if name.startswith("test_repeated_"):
-        return ["repeated"]
-    return []
+def toy_runs(*runs: tuple[str, str]) -> pytest.MarkDecorator:
+    """The ``toy_runs`` marker of a check that reads the shared runs ``(mesh, mode)``."""
+    return pytest.mark.toy_runs(*(toy_overrides(m, md) for m, md in runs))
 
 
-@pytest.fixture(scope="session")
-def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """Starts every pipeline subprocess the selected tests need, longest first."""
-    j = Jobs(tmp_path_factory.mktemp("pipeline"))
-    needed = [k for item in request.session.items if item.module is sys.modules[__name__]
-              for k in _jobs_of_item(item)]
-    j.submit(needed)
-    yield j
-    j.close()
+#: This file's own subprocesses, each with its own results directory (not the shared
+#: toy results): another hash seed, a fresh process watching its imports, and the
+#: topologies of two other models. Key -> the tests that read it; queued at session
+#: start (fixtures.queue_own_jobs) with the argv of :func:`own_job_argv`.
+OWN_JOBS: dict[str, tuple[str, ...]] = {
+    "hashseed": ("test_placement_hash_independent_of_hash_seed",),
+    "nopulp": ("test_approx_path_never_imports_pulp",),
+    "repeated-llama1b": ("test_repeated_layers_llama1b_one_class",),
+    "repeated-toy3": ("test_repeated_layers_other_width_not_tied",),
+}
+
+
+def own_job_argv(key: str, base: Path) -> tuple[list[str], str]:
+    """(argv, PYTHONHASHSEED) of own job ``key``, writing under ``base``."""
+    py = sys.executable
+    if key == "hashseed":
+        return [py, "-m", "pipeline", "model=toy", *toy_overrides("2x4", "lazy"),
+                f"results_dir={base / 'hashseed'}"], SEED_OTHER
+    if key == "nopulp":
+        return [py, "-c", _NO_PULP_SCRIPT, str(base / key)], SEED
+    return [py, "-c", _REPEATED_SCRIPT, str(base / "repeated"), key.split("-")[1]], SEED
+
+
+@pytest.fixture(scope="module")
+def own_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The base directory of this file's own jobs."""
+    return own_jobs_dir(tmp_path_factory, __name__)
 
 
 @dataclass
@@ -331,23 +235,10 @@ class Run:
     seconds: float
 
 
-_RUNS: dict[str, Run] = {}
-
-
-def get_run(jobs: Jobs, mesh: str, mode: str) -> Run:
-    key = run_key(mesh, mode)
-    if key not in _RUNS:
-        from pipeline.config import load_resolved, stage_dirs
-
-        res = jobs.result(key)
-        cfg = load_resolved(toy_overrides(mesh, mode) + [f"results_dir={jobs.main_dir}"])
-        dirs = stage_dirs(cfg)
-        record = json.loads((dirs.solve / "run.json").read_text())
-        rows = pq.read_table(dirs.solve / "solution.parquet").to_pylist()
-        rows.sort(key=lambda r: r["node"])
-        assert [r["node"] for r in rows] == list(range(len(rows)))
-        _RUNS[key] = Run(mesh, mode, cfg, dirs, record, rows, res.seconds)
-    return _RUNS[key]
+def get_run(toy: ToyResults, mesh: str, mode: str) -> Run:
+    """The shared toy run at ``mesh`` with ``mode`` costs (``PYTHONHASHSEED=SEED``)."""
+    r = toy.run(*toy_overrides(mesh, mode))
+    return Run(mesh, mode, r.cfg, r.dirs, r.record, r.plan, r.seconds)
 
 
 _TOPOLOGIES: dict[str, Any] = {}
@@ -502,13 +393,14 @@ def evaluation_of(run: Run) -> Evaluation:
 # --------------------------------------------------------------------------- 1. lazy/eager
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_lazy_and_eager_agree(jobs: Jobs, mesh: str) -> None:
-    check_lazy_and_eager_agree(jobs, mesh)
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=toy_runs((m, "lazy"), (m, "eager")))
+                                  for m in MESHES])
+def test_lazy_and_eager_agree(toy_results: ToyResults, mesh: str) -> None:
+    check_lazy_and_eager_agree(toy_results, mesh)
 
 
-def check_lazy_and_eager_agree(jobs: Jobs, mesh: str) -> None:
-    lazy, eager = get_run(jobs, mesh, "lazy"), get_run(jobs, mesh, "eager")
+def check_lazy_and_eager_agree(toy: ToyResults, mesh: str) -> None:
+    lazy, eager = get_run(toy, mesh, "lazy"), get_run(toy, mesh, "eager")
     lr, er = lazy.record, eager.record
     assert (lr["cost_mode"], er["cost_mode"]) == ("lazy", "eager")
     assert rel_close(lr["objective"], er["objective"]), (lr["objective"], er["objective"])
@@ -537,14 +429,15 @@ def check_lazy_and_eager_agree(jobs: Jobs, mesh: str) -> None:
 # --------------------------------------------------------------------------- 2. evaluator
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("mesh", MESHES)
-def test_independent_evaluator_matches_run_record(jobs: Jobs, mesh: str, mode: str) -> None:
-    check_independent_evaluator(jobs, mesh, mode)
+@pytest.mark.parametrize(("mesh", "mode"), [
+    pytest.param(m, md, marks=toy_runs((m, md)), id=f"{m}-{md}") for m in MESHES for md in MODES])
+def test_independent_evaluator_matches_run_record(toy_results: ToyResults, mesh: str,
+                                                  mode: str) -> None:
+    check_independent_evaluator(toy_results, mesh, mode)
 
 
-def check_independent_evaluator(jobs: Jobs, mesh: str, mode: str) -> None:
-    run = get_run(jobs, mesh, mode)
+def check_independent_evaluator(toy: ToyResults, mesh: str, mode: str) -> None:
+    run = get_run(toy, mesh, mode)
     tt = topology_of(run)
     assert len(run.plan) == len(tt.nodes["id"]) == run.record["counts"]["nodes"]
     assert len(tt.edges["producer"]) == run.record["counts"]["edges"]
@@ -725,12 +618,13 @@ class DTensorChecker:
 
 
 @pytest.mark.parametrize("mesh", ["2x4"])
-def test_plan_accepted_by_dtensor(jobs: Jobs, mesh: str) -> None:
-    check_plan_accepted_by_dtensor(jobs, mesh)
+@toy_runs(("2x4", "lazy"))
+def test_plan_accepted_by_dtensor(toy_results: ToyResults, mesh: str) -> None:
+    check_plan_accepted_by_dtensor(toy_results, mesh)
 
 
-def check_plan_accepted_by_dtensor(jobs: Jobs, mesh: str) -> None:
-    run = get_run(jobs, mesh, "lazy")
+def check_plan_accepted_by_dtensor(toy: ToyResults, mesh: str) -> None:
+    run = get_run(toy, mesh, "lazy")
     tt = topology_of(run)
     checker = DTensorChecker(tt)
     results: dict[str, list] = defaultdict(list)
@@ -750,14 +644,15 @@ def check_plan_accepted_by_dtensor(jobs: Jobs, mesh: str) -> None:
 
 
 @pytest.mark.parametrize("mesh", ["2x4"])
-def test_plan_ties_and_constraints(jobs: Jobs, mesh: str) -> None:
-    check_plan_ties_and_constraints(jobs, mesh)
+@toy_runs(("2x4", "lazy"))
+def test_plan_ties_and_constraints(toy_results: ToyResults, mesh: str) -> None:
+    check_plan_ties_and_constraints(toy_results, mesh)
 
 
-def check_plan_ties_and_constraints(jobs: Jobs, mesh: str) -> None:
+def check_plan_ties_and_constraints(toy: ToyResults, mesh: str) -> None:
     from pipeline.placements import parse_output, parse_placements
 
-    run = get_run(jobs, mesh, "lazy")
+    run = get_run(toy, mesh, "lazy")
     tt = topology_of(run)
     plan = run.plan
     nd = len(run.cfg.mesh)
@@ -841,9 +736,10 @@ def check_plan_ties_and_constraints(jobs: Jobs, mesh: str) -> None:
         parse_output(r["output_placement"], nd)
 
 
-def test_enumerated_strategies_sample_accepted_by_dtensor(jobs: Jobs) -> None:
+@toy_runs(("2x4", "lazy"))
+def test_enumerated_strategies_sample_accepted_by_dtensor(toy_results: ToyResults) -> None:
     """Beyond the plan: a sample of every distinct strategy list of the 2x4 topology."""
-    run = get_run(jobs, "2x4", "lazy")
+    run = get_run(toy_results, "2x4", "lazy")
     tt = topology_of(run)
     checker = DTensorChecker(tt)
     per_list = 6
@@ -871,13 +767,14 @@ def test_enumerated_strategies_sample_accepted_by_dtensor(jobs: Jobs) -> None:
 # --------------------------------------------------------------------------- 5. hash seed
 
 
-def test_placement_hash_independent_of_hash_seed(jobs: Jobs) -> None:
-    from pipeline.config import load_resolved, stage_dirs
+@toy_runs(("2x4", "lazy"))
+def test_placement_hash_independent_of_hash_seed(toy_results: ToyResults, jobs: Jobs,
+                                                 own_jobs: Path) -> None:
+    from pipeline.config import stage_dirs
 
-    main = get_run(jobs, "2x4", "lazy")  # PYTHONHASHSEED=SEED_MAIN
+    main = get_run(toy_results, "2x4", "lazy")  # PYTHONHASHSEED=SEED
     jobs.result("hashseed")  # PYTHONHASHSEED=SEED_OTHER, its own results_dir
-    cfg = load_resolved(toy_overrides("2x4", "lazy")
-                        + [f"results_dir={jobs.base / 'hashseed'}"])
+    cfg = toy_results.cfg(*toy_overrides("2x4", "lazy"), results_dir=own_jobs / "hashseed")
     other_dir = stage_dirs(cfg).solve
     assert other_dir != main.dirs.solve
     other = json.loads((other_dir / "run.json").read_text())
@@ -893,7 +790,7 @@ def test_placement_hash_independent_of_hash_seed(jobs: Jobs) -> None:
 # --------------------------------------------------------------------------- 7. no PuLP
 
 
-def test_approx_path_never_imports_pulp(jobs: Jobs) -> None:
+def test_approx_path_never_imports_pulp(jobs: Jobs, own_jobs: Path) -> None:
     seen = jobs.result("nopulp").tagged("PULP_MODULES")
     assert seen == {"true": [], "false": []}, seen
 
@@ -915,8 +812,9 @@ def _groups_by_layer(nodes: dict) -> dict[str, set[int]]:
     return out
 
 
-def test_repeated_layers_llama1b_one_class(jobs: Jobs) -> None:
-    dirs = jobs.result("repeated").tagged("TOPOLOGY_DIRS")
+@pytest.mark.slow  # llama1b's trace: about a minute
+def test_repeated_layers_llama1b_one_class(jobs: Jobs, own_jobs: Path) -> None:
+    dirs = jobs.result("repeated-llama1b").tagged("TOPOLOGY_DIRS")
     summary, nodes = _nodes_of(dirs["llama1b"])
     layers = [f"layers.{i}" for i in range(16)]
     classes = summary["repeated_blocks"]
@@ -931,8 +829,8 @@ def test_repeated_layers_llama1b_one_class(jobs: Jobs) -> None:
         assert groups[layer] == groups["layers.0"], layer
 
 
-def test_repeated_layers_other_width_not_tied(jobs: Jobs) -> None:
-    dirs = jobs.result("repeated").tagged("TOPOLOGY_DIRS")
+def test_repeated_layers_other_width_not_tied(jobs: Jobs, own_jobs: Path) -> None:
+    dirs = jobs.result("repeated-toy3").tagged("TOPOLOGY_DIRS")
     summary, nodes = _nodes_of(dirs["toy3"])
     # the override took effect: layer 1's FFN is 512 wide, the others 768
     widths = {fqn: json.loads(m)[0]["shape"][0] for fqn, m in zip(nodes["fqn"],
@@ -950,30 +848,39 @@ def test_repeated_layers_other_width_not_tied(jobs: Jobs) -> None:
 
 
 # --------------------------------------------------------------------------- the 3-d mesh
-# Items 1-3 on MESHES_2X4X8, last so that the checks above run while these jobs do.
+# Items 1-3 on MESHES_2X4X8 (slow: about a minute per cost mode).
 
 
-@pytest.mark.parametrize("mesh", [pytest.param(m, marks=needs_eager_factors(m))
-                                  for m in MESHES_2X4X8])
-def test_3d_lazy_and_eager_agree(jobs: Jobs, mesh: str) -> None:
-    check_lazy_and_eager_agree(jobs, mesh)
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [
+    pytest.param(m, marks=[*needs_eager_factors(m), toy_runs((m, "lazy"), (m, "eager"))])
+    for m in MESHES_2X4X8])
+def test_3d_lazy_and_eager_agree(toy_results: ToyResults, mesh: str) -> None:
+    check_lazy_and_eager_agree(toy_results, mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mesh", "mode"), [
-    pytest.param(m, md, marks=needs_eager_factors(m) if md == "eager" else [])
+    pytest.param(m, md, marks=[*(needs_eager_factors(m) if md == "eager" else []),
+                               toy_runs((m, md))], id=f"{m}-{md}")
     for m in MESHES_2X4X8 for md in MODES])
-def test_3d_independent_evaluator_matches_run_record(jobs: Jobs, mesh: str, mode: str) -> None:
-    check_independent_evaluator(jobs, mesh, mode)
+def test_3d_independent_evaluator_matches_run_record(toy_results: ToyResults, mesh: str,
+                                                     mode: str) -> None:
+    check_independent_evaluator(toy_results, mesh, mode)
 
 
-@pytest.mark.parametrize("mesh", MESHES_2X4X8)
-def test_3d_plan_accepted_by_dtensor(jobs: Jobs, mesh: str) -> None:
-    check_plan_accepted_by_dtensor(jobs, mesh)
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=toy_runs((m, "lazy")))
+                                  for m in MESHES_2X4X8])
+def test_3d_plan_accepted_by_dtensor(toy_results: ToyResults, mesh: str) -> None:
+    check_plan_accepted_by_dtensor(toy_results, mesh)
 
 
-@pytest.mark.parametrize("mesh", MESHES_2X4X8)
-def test_3d_plan_ties_and_constraints(jobs: Jobs, mesh: str) -> None:
-    check_plan_ties_and_constraints(jobs, mesh)
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=toy_runs((m, "lazy")))
+                                  for m in MESHES_2X4X8])
+def test_3d_plan_ties_and_constraints(toy_results: ToyResults, mesh: str) -> None:
+    check_plan_ties_and_constraints(toy_results, mesh)
 
 
 # --------------------------------------------------------------------------- 6. report
@@ -991,25 +898,40 @@ REPORT_FIELDS = ["objective", "compute_us", "comm_us", "transition_us", "lower_b
                  "git.revision", "git.dirty"]
 
 
-@pytest.fixture(scope="module")
-def report(jobs: Jobs) -> dict[str, Any]:
-    """The report over every toy run, rebuilt once all of them have finished (the runs
-    finish concurrently, so the report of the last one may not have seen the others)."""
-    from pipeline.cli import run_stage
-    from pipeline.config import load_resolved, stage_dirs
+#: The runs a report covers: those of the quick meshes, or (slow) every toy run.
+REPORT_RUNS: dict[str, list[tuple[str, str]]] = {
+    "quick": [r for r in _runnable_runs() if r[0] in MESHES],
+    "all": _runnable_runs(),
+}
 
-    runs = [get_run(jobs, m, md) for m, md in _runnable_runs()]
-    cfg = load_resolved([f"results_dir={jobs.main_dir}"])
+
+@pytest.fixture(scope="module", params=[
+    pytest.param("quick", marks=toy_runs(*REPORT_RUNS["quick"])),
+    pytest.param("all", marks=[pytest.mark.slow, toy_runs(*REPORT_RUNS["all"])])])
+def report(request: pytest.FixtureRequest, toy_results: ToyResults,
+           tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The report over exactly the toy runs of ``REPORT_RUNS[param]``: the shared runs,
+    copied into a results directory of their own, then the report stage there. (A
+    row's ``solve_dir`` is the one its run record names: where the run was solved.)"""
+    from pipeline.cli import run_stage
+    from pipeline.config import stage_dirs
+
+    wanted = REPORT_RUNS[request.param]
+    root = tmp_path_factory.mktemp(f"report-{request.param}") / "results"
+    runs = [get_run(toy_results, mesh, mode) for mesh, mode in wanted]
+    for mesh, mode in wanted:
+        toy_results.copy_run(root, *toy_overrides(mesh, mode))
+    cfg = toy_results.cfg(results_dir=root)
     dirs = stage_dirs(cfg)
     assert run_stage("report", cfg, dirs)
-    return {"runs": runs,
+    return {"runs": runs, "expected": len(wanted),
             "table": pq.read_table(dirs.report / "runs.parquet").to_pylist(),
             "placements": pq.read_table(dirs.report / "placements.parquet")}
 
 
 def test_report_runs_parquet(report: dict[str, Any]) -> None:
     runs, table = report["runs"], report["table"]
-    assert len(table) == len(runs) == len(_runnable_runs())
+    assert len(table) == len(runs) == report["expected"]
     by_dir = {row["solve_dir"]: row for row in table}
     assert len(by_dir) == len(table)
     for run in runs:
@@ -1064,10 +986,16 @@ def test_report_placements_parquet(report: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- eager loading
 
 
-@pytest.mark.xfail(LOAD_FACTORS_COPIES_ARCHIVE, reason=LOAD_FACTORS_REASON, strict=True)
-def test_eager_factors_load_once(jobs: Jobs) -> None:
+@toy_runs(("2x4", "eager"))
+def test_eager_factors_load_once(toy_results: ToyResults) -> None:
     """Loading the eager factors keeps each array of ``factors.npz`` once, not once per
-    factor (measured on the 2x4 run's archive)."""
-    run = get_run(jobs, "2x4", "eager")
+    factor: the arrays of the loaded MRF keep alive no byte beyond their own (views of
+    one buffer per archive array, or copies of their own slices), on the synthetic
+    chain of the probe and on the 2x4 run's archive that the eager solve loads."""
+    synthetic = _probe_load_factors()
+    assert synthetic <= 1.0 + 1e-9, \
+        f"load_factors keeps {synthetic:.2f}x the synthetic factors' own bytes"
+    run = get_run(toy_results, "2x4", "eager")
+    assert run.record["cost_mode"] == "eager"
     overhead = load_factors_overhead(run.dirs.costs / "factors.npz")
-    assert overhead < 2.0, f"load_factors keeps {overhead:.1f}x the factors' own bytes"
+    assert overhead <= 1.0 + 1e-9, f"load_factors keeps {overhead:.2f}x the factors' own bytes"

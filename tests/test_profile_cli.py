@@ -10,13 +10,12 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from pipeline import profile
-from pipeline.config import load_resolved, stage_dirs
+from pipeline.config import load_resolved
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -97,33 +96,23 @@ def test_help_is_not_an_error(capsys):
     assert "--detailed-solution" in capsys.readouterr().out
 
 
-def test_profile_has_the_placement_hash_of_python_m_pipeline(tmp_path, monkeypatch, capsys):
+@pytest.mark.slow
+@pytest.mark.toy_runs(("mesh=8", "lazy_costs=true"))
+def test_profile_has_the_placement_hash_of_python_m_pipeline(tmp_path, monkeypatch, capsys,
+                                                             toy_results):
     """Profile of toy on mesh 8 (in this process) next to `python -m pipeline` of the same
-    config (another process, other results dir): one plan; then a second profile reuses
-    every stage and --fresh reruns them, with the same hash."""
+    config (another process, other results dir: the shared toy run): one plan; then a
+    second profile reuses every stage and --fresh reruns them, with the same hash."""
     monkeypatch.chdir(tmp_path)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-    def pipeline_run():
-        return subprocess.run(
-            [sys.executable, "-m", "pipeline", "model=toy", "mesh=8", "lazy_costs=true",
-             "results_dir=plain"], cwd=tmp_path, capture_output=True, text=True, env=env,
-            timeout=600)
-
     out = tmp_path / "prof" / "lazy.json"
     argv = ["--model", "toy", "--mesh", "8", "--solver", "approx", "--lazy-costs", "true",
             "--detailed-solution", "--revision-label", "test-label", "--output", str(out),
             "--results-dir", "profiled"]
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        other = pool.submit(pipeline_run)
-        code = profile.main(argv)
-        proc = other.result()
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = profile.main(argv)
     assert code == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     doc = json.loads(out.read_text())
-    cfg = load_resolved(["model=toy", "mesh=8", "lazy_costs=true", "results_dir=plain"])
-    plain = json.loads((tmp_path / stage_dirs(cfg).solve / "run.json").read_text())
+    plain = toy_results.run("mesh=8", "lazy_costs=true").record
     assert doc["placement_hash"] == plain["placement_hash"] == summary["placement_hash"]
     assert doc["objective"] == pytest.approx(plain["objective"])
     assert summary == {"status": "success", "output": str(out),

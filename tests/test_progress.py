@@ -22,12 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures import SEED, own_jobs_dir
+from mrf_gen import random_edges, random_mrf
 
 from pipeline import bench, progress
 from pipeline.solvers.lagrangian import row_value, solve_with_row
 from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor
 from pipeline.solvers.trws import solve_trws
-from tests.mrf_gen import random_edges, random_mrf
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -232,19 +233,30 @@ def _results(results: Path) -> list[tuple]:
     return out
 
 
-def test_pipeline_shows_bars_on_a_terminal_only_and_the_plan_is_the_same(tmp_path):
+#: The same runs with stderr a pipe: a background job of the session (tests/fixtures.py,
+#: which leaves PIPELINE_PROGRESS out of a job's environment, as _child_env does).
+OWN_JOBS = {"progress-pipe": (
+    "test_pipeline_shows_bars_on_a_terminal_only_and_the_plan_is_the_same",)}
+
+
+def own_job_argv(key: str, base: Path) -> tuple[list[str], str]:
+    assert key == "progress-pipe", key
+    return [sys.executable, "-c", _PIPELINE_SCRIPT, str(base / "pipe")], SEED
+
+
+@pytest.mark.slow
+def test_pipeline_shows_bars_on_a_terminal_only_and_the_plan_is_the_same(tmp_path, jobs,
+                                                                        tmp_path_factory):
     code, err = _run_on_terminal(tmp_path / "tty")
     assert code == 0, err[-3000:]
     for name in BAR_NAMES:
         assert name in err, (name, err[-3000:])
     assert "bound=" in err and "gap=" in err
 
-    proc = subprocess.run([sys.executable, "-c", _PIPELINE_SCRIPT, str(tmp_path / "pipe")],
-                          cwd=tmp_path, env=_child_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = jobs.result("progress-pipe")  # exit 0, or AssertionError with its stderr
     assert proc.stderr == "", proc.stderr[-3000:]  # not a terminal: no bar, nothing
-    assert _results(tmp_path / "tty") == _results(tmp_path / "pipe")
+    pipe = own_jobs_dir(tmp_path_factory, __name__) / "pipe"
+    assert _results(tmp_path / "tty") == _results(pipe)
 
 
 def test_bad_input_stays_one_line_with_bars_forced(tmp_path):

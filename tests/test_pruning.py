@@ -10,11 +10,11 @@ import math
 
 import numpy as np
 import pytest
+from mrf_gen import feasible_labellings, loopy_mrf, min_marginals
 
 from pipeline.solvers.lagrangian import solve_with_row, solve_with_rows
 from pipeline.solvers.pruning import label_bounds, prune
 from pipeline.solvers.trws import solve_trws
-from tests.mrf_gen import feasible_labellings, loopy_mrf, min_marginals
 
 
 def _assert_valid(bounds, mm):

@@ -165,6 +165,7 @@ def test_strided_planner_equals_dtensor_2x2x2_all(ref):
     _check_strided_equal_dtensor(ref, (2, 2, 2), (16, 16), pairs)
 
 
+@pytest.mark.slow
 def test_strided_planner_equals_dtensor_2x4x8_sample(ref):
     # placements of the toy model on 2x4x8 (FSDP-style _StridedShards)
     srcs = [

@@ -1,5 +1,7 @@
 """approx, ilp (HiGHS and CBC) and lp on the toy model at meshes 8, 2x4 and 2x4x8,
-through the real pipeline (trace, topology, eager and lazy costs, solve).
+through the real pipeline (trace, topology, eager and lazy costs, solve): the runs are
+the session's shared toy results (``python -m pipeline``, tests/fixtures.py); the 2x4x8
+cases and the unpruned 2x4 ILP (minutes) are ``slow``.
 
 * CBC and HiGHS find the same optimum (plans may differ on ties), and it is the
   approx objective whenever TRW-S certifies it;
@@ -12,36 +14,35 @@ through the real pipeline (trace, topology, eager and lazy costs, solve).
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from pathlib import Path
 
 import pandas as pd
 import pytest
-
-from pipeline.__main__ import run_pipeline
-from pipeline.config import load_resolved, stage_dirs
-from tests.test_constraints import TOY_PARAMS
+from fixtures import TOY_PARAMS, ToyResults
 
 REL = 1e-9
 
+BACKENDS = (("mesh={mesh}", "solver=approx", "optimality_check=true"),
+            ("mesh={mesh}", "solver=ilp", "solver.backend=highs"),
+            ("mesh={mesh}", "solver=ilp", "solver.backend=cbc"))
+PRUNING = (("mesh={mesh}", "solver=ilp"), ("mesh={mesh}", "solver=ilp", "solver.prune=false"))
+LOOSE = ("mesh=2x4x8", "constraints.param_memory.high=0.5")
+
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("agree")
+def results(toy_results: ToyResults) -> ToyResults:
+    return toy_results
 
 
-def _run(results: Path, *overrides: str) -> tuple[dict, pd.DataFrame]:
-    cfg = load_resolved(["model=toy", f"results_dir={results}", *overrides])
-    run_pipeline(cfg)
-    solve = Path(stage_dirs(cfg).solve)
-    return (json.loads((solve / "run.json").read_text()),
-            pd.read_parquet(solve / "solution.parquet"))
+def _run(results: ToyResults, *overrides: str) -> tuple[dict, pd.DataFrame]:
+    run = results.run(*overrides)
+    return run.record, run.solution()
 
 
-@pytest.mark.parametrize("mesh", ["8", "2x4", "2x4x8"])
-def test_backends_agree_and_bounds_are_ordered(results: Path, mesh: str) -> None:
+@pytest.mark.toy_runs(*BACKENDS)
+@pytest.mark.parametrize("mesh", ["8", "2x4", pytest.param("2x4x8", marks=pytest.mark.slow)])
+def test_backends_agree_and_bounds_are_ordered(results: ToyResults, mesh: str) -> None:
     approx, _ = _run(results, f"mesh={mesh}", "solver=approx", "optimality_check=true")
     highs, _ = _run(results, f"mesh={mesh}", "solver=ilp", "solver.backend=highs")
     cbc, _ = _run(results, f"mesh={mesh}", "solver=ilp", "solver.backend=cbc")
@@ -59,8 +60,9 @@ def test_backends_agree_and_bounds_are_ordered(results: Path, mesh: str) -> None
         assert approx["objective"] == pytest.approx(opt, rel=1e-7)
 
 
-@pytest.mark.parametrize("mesh", ["8", "2x4"])
-def test_pruning_keeps_the_optimum(results: Path, mesh: str) -> None:
+@pytest.mark.toy_runs(*PRUNING)
+@pytest.mark.parametrize("mesh", ["8", pytest.param("2x4", marks=pytest.mark.slow)])
+def test_pruning_keeps_the_optimum(results: ToyResults, mesh: str) -> None:
     pruned, _ = _run(results, f"mesh={mesh}", "solver=ilp")
     full, _ = _run(results, f"mesh={mesh}", "solver=ilp", "solver.prune=false")
     assert "presolve" not in full and full["status"] == "Optimal"
@@ -83,8 +85,11 @@ def _ratio(placement: str) -> float:
     return r
 
 
-def test_loose_budget_binds_partially_and_solvers_agree(results: Path) -> None:
-    over = ("mesh=2x4x8", "constraints.param_memory.high=0.5")
+@pytest.mark.slow
+@pytest.mark.toy_runs((*LOOSE, "solver=approx"), (*LOOSE, "solver=ilp"),
+                      ("mesh=2x4x8", "solver=ilp"))
+def test_loose_budget_binds_partially_and_solvers_agree(results: ToyResults) -> None:
+    over = LOOSE
     approx, a_sol = _run(results, *over, "solver=approx")
     ilp, i_sol = _run(results, *over, "solver=ilp")
     assert ilp["status"] == "Optimal"

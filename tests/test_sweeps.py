@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from fixtures import snakemake
 
 from pipeline.cli import SENTINELS
 from pipeline.config import (
@@ -87,6 +88,7 @@ def sweep(tmp_path_factory, frozen):
 # --------------------------------------------------------------------------- multirun
 
 
+@pytest.mark.slow
 def test_multirun_writes_the_snakemake_layout(sweep):
     workdir, proc = sweep
     jobs = sweep_overrides(SWEEP)
@@ -118,6 +120,7 @@ def test_multirun_writes_the_snakemake_layout(sweep):
     assert report.groupby("mesh")["placement_hash"].nunique().tolist() == [1, 1]
 
 
+@pytest.mark.slow
 def test_multirun_reuses_traces_topologies_and_costs(sweep):
     _, proc = sweep
     log = proc.stderr
@@ -128,6 +131,7 @@ def test_multirun_reuses_traces_topologies_and_costs(sweep):
     assert len(re.findall(r"costs: running", log)) == 4
 
 
+@pytest.mark.slow
 def test_joblib_sweep_over_existing_results_reuses_everything(sweep, frozen, tmp_path):
     """The same sweep again, in parallel with the joblib launcher, on a copy of the
     results: every job finds every stage current and rewrites nothing but the report."""
@@ -145,10 +149,9 @@ def test_joblib_sweep_over_existing_results_reuses_everything(sweep, frozen, tmp
     assert "running in" not in proc.stderr.replace("report: running in", "")
 
 
+@pytest.mark.slow
 def test_snakemake_finds_a_sweep_run_up_to_date(sweep):
     """A sweep's run is the Snakemake run of the same config: nothing to do."""
-    from test_workflow import snakemake
-
     code, out, err = snakemake(sweep[0], "-n", "--config", "model=toy", "mesh=2x4",
                                "lazy_costs=false")
     assert code == 0, err
@@ -158,6 +161,7 @@ def test_snakemake_finds_a_sweep_run_up_to_date(sweep):
 # --------------------------------------------------------------------------- concurrency
 
 
+@pytest.mark.slow
 def test_two_processes_of_one_config_produce_one_artifact(tmp_path, frozen):
     args = ("-m", "pipeline", "model=toy", "mesh=8", "lazy_costs=true")
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -184,6 +188,7 @@ def test_two_processes_of_one_config_produce_one_artifact(tmp_path, frozen):
 # --------------------------------------------------------------------------- code changes
 
 
+@pytest.mark.slow
 def test_a_stage_code_change_reruns_that_stage(tmp_path):
     """In a copy of the checkout: outputs recorded by Snakemake (--touch), then an edit of
     a solver module makes `snakemake -n` plan solve (and the report), nothing earlier."""
@@ -233,8 +238,6 @@ def test_slurm_profile_parses():
     pytest.importorskip("snakemake_executor_plugin_slurm")
     import tempfile
 
-    from test_workflow import snakemake
-
     with tempfile.TemporaryDirectory() as tmp:
         code, out, err = snakemake(Path(tmp), "--profile", str(ROOT / "workflow/profiles/slurm"),
                                    "-n", "--config", "model=toy", "mesh=8")
@@ -247,8 +250,6 @@ def test_slurm_profile_parses():
 
 def test_profile_executor_must_exist(tmp_path):
     """The parse test above means something: an unknown executor fails the dry run."""
-    from test_workflow import snakemake
-
     text = (ROOT / "workflow/profiles/slurm/config.yaml").read_text()
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.yaml").write_text(text.replace("executor: slurm",

@@ -17,6 +17,16 @@ import time
 
 import numpy as np
 import pytest
+from mrf_gen import (
+    chain_edges,
+    graph_like_edges,
+    loopy_mrf,
+    optimum,
+    random_edges,
+    random_mrf,
+    step_sized_mrf,
+    tree_edges,
+)
 
 from pipeline.solvers import registry
 from pipeline.solvers.brute import brute_force, energy_tensor
@@ -36,16 +46,6 @@ from pipeline.solvers.options import LagrangianOptions, TrwsOptions
 from pipeline.solvers.result import SolverResult, is_certified, relative_gap
 from pipeline.solvers.status import HEURISTIC, OPTIMAL
 from pipeline.solvers.trws import solve_trws
-from tests.mrf_gen import (
-    chain_edges,
-    graph_like_edges,
-    loopy_mrf,
-    optimum,
-    random_edges,
-    random_mrf,
-    step_sized_mrf,
-    tree_edges,
-)
 
 RTOL = 1e-9
 

@@ -7,8 +7,6 @@ test starts the real ``snakemake`` command-line interface.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
 import subprocess
@@ -16,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures import SNAKEFILE, snakemake
 from test_config import BAD_CASES
 
 from pipeline.artifacts import stage_outputs
@@ -23,29 +22,10 @@ from pipeline.cli import SENTINELS
 from pipeline.config import STAGES, load_resolved, overrides_from_snakemake, stage_dirs
 
 ROOT = Path(__file__).resolve().parent.parent
-SNAKEFILE = ROOT / "workflow" / "Snakefile"
 #: The rules of a run. The costs stage has one rule per cost mode (with eager costs it
 #: also writes factors.npz, and a rule's outputs cannot depend on a wildcard).
 LAZY_RULES = {"trace", "topology", "costs_lazy", "solve", "report"}
 RULES = {"trace", "topology", "costs_eager", "solve", "report"}  # BASE: ilp, eager costs
-
-
-def snakemake(workdir: Path, *args: str) -> tuple[int, str, str]:
-    """Run Snakemake in this process; return (exit code, stdout, stderr)."""
-    from snakemake.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    cwd = os.getcwd()
-    code: int = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                main(["--snakefile", str(SNAKEFILE), "--directory", str(workdir), *args])
-            except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    finally:
-        os.chdir(cwd)
-    return code, out.getvalue(), err.getvalue()
 
 
 def planned_jobs(workdir: Path, *config: str) -> dict[str, int]:

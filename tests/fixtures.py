@@ -1,0 +1,343 @@
+"""What the test files share: the session's toy-model results, the subprocess pool that
+makes them, an in-process Snakemake runner, and the toy model's parameter shapes.
+
+Toy results (:class:`ToyResults`, the ``toy_results`` fixture of ``conftest.py``): one
+results directory per pytest session holds the traces, topologies, costs and solves of
+the toy configs the tests read. Each config is made once, by ``python -m pipeline
+model=toy <overrides> results_dir=<shared>`` in a subprocess (``PYTHONHASHSEED`` fixed),
+and every test file that needs it reads the same artifacts. Configs share stages through
+the pipeline's own cache, so the whole session traces the toy model once, builds one
+topology per mesh and one cost directory per (mesh, cost mode).
+
+Prefetch: a test declares the configs it reads with the ``toy_runs`` marker, e.g.
+``@pytest.mark.toy_runs(("mesh={mesh}", "lazy_costs=true"))``, where ``{name}`` is
+filled from the test's parameters. When the fixture is first requested, every config
+of the selected tests is started, :data:`WORKERS` at a time, longest first, so later
+tests find their runs done. A config nobody declared is made on first use.
+
+The shared directory is read-only for tests: a test that writes (a stage rerun, a
+corrupted artifact, its own report) works on a copy (:meth:`ToyResults.copy_run`) or
+in a fresh directory of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import io
+import itertools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAKEFILE = ROOT / "workflow" / "Snakefile"
+
+#: Concurrent pipeline subprocesses (the machine has 2 cores).
+WORKERS = int(os.environ.get("PIPELINE_TEST_WORKERS", "2"))
+#: Safety net per subprocess, seconds.
+JOB_TIMEOUT = float(os.environ.get("PIPELINE_TEST_JOB_TIMEOUT", "1200"))
+#: PYTHONHASHSEED of the shared runs.
+SEED = "1"
+#: The stages of one run, in order (the report aggregates runs; it is not copied).
+RUN_STAGES = ("trace", "topology", "costs", "solve")
+
+# Parameter shapes of the toy model, in elements (float32 storage).
+TOY_PARAMS = (
+    [1024 * 256]  # tok_embeddings
+    + 2 * [256, 256 * 256, 128 * 256, 128 * 256, 256 * 256, 256, 768 * 256, 256 * 768,
+           768 * 256]  # per layer: norms, wq, wk, wv, wo, w1, w2, w3
+    + [256, 1024 * 256]  # final norm, output
+)
+
+
+
+def child_env(seed: str) -> dict[str, str]:
+    """The environment of a background job: this process's, with this checkout first on
+    ``PYTHONPATH`` (so the job imports the code under test), ``PYTHONHASHSEED=seed``,
+    and no ``PIPELINE_PROGRESS`` (a job's stderr is a pipe: it draws no bars)."""
+    from pipeline.progress import ENV_VAR
+
+    env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONHASHSEED"] = seed
+    return env
+
+
+def snakemake(workdir: Path, *args: str) -> tuple[int, str, str]:
+    """Run Snakemake on the project's Snakefile in this process; (exit code, stdout,
+    stderr). In-process keeps dry runs fast; the working directory is restored."""
+    from snakemake.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    code: int = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main(["--snakefile", str(SNAKEFILE), "--directory", str(workdir), *args])
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        os.chdir(cwd)
+    return code, out.getvalue(), err.getvalue()
+
+
+# --------------------------------------------------------------------------- subprocesses
+
+
+@dataclass
+class JobResult:
+    key: str
+    stdout: str
+    stderr: str
+    seconds: float
+
+    def tagged(self, tag: str) -> Any:
+        """The JSON printed after ``tag`` on stdout."""
+        for line in self.stdout.splitlines():
+            if line.startswith(tag + " "):
+                return json.loads(line[len(tag) + 1:])
+        raise AssertionError(f"job {self.key}: no '{tag}' line on stdout:\n{self.stdout[-2000:]}")
+
+
+class Jobs:
+    """Subprocesses of the session, each once per key, run :data:`WORKERS` at a time in
+    order of priority (the index of the first test that needs the job; a job a test
+    waits for goes first)."""
+
+    def __init__(self, workers: int = WORKERS) -> None:
+        self.futures: dict[str, Future] = {}
+        self._specs: dict[str, tuple[list[str], Path, str]] = {}
+        self._started: set[str] = set()
+        self._queue: list[tuple[float, int, str]] = []  # heap of (priority, seq, key)
+        self._seq = itertools.count()
+        self._procs: list[subprocess.Popen] = []
+        self._closed = False
+        self._cv = threading.Condition()
+        self._threads = [threading.Thread(target=self._work, daemon=True)
+                         for _ in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, key: str, argv: Sequence[str], cwd: Path, seed: str = SEED,
+               priority: float = -math.inf) -> None:
+        """Queue ``argv`` under ``key`` (a key runs once; submitting it again can only
+        raise its priority)."""
+        with self._cv:
+            if key not in self.futures:
+                self.futures[key] = Future()
+                self._specs[key] = (list(argv), cwd, seed)
+            if key not in self._started:
+                heapq.heappush(self._queue, (priority, next(self._seq), key))
+                self._cv.notify()
+
+    def result(self, key: str) -> JobResult:
+        """The finished job ``key`` (moved to the front and waited for); AssertionError
+        if it failed."""
+        if key not in self._specs:
+            raise KeyError(f"job {key} was never queued")
+        argv, cwd, seed = self._specs[key]
+        self.submit(key, argv, cwd, seed)
+        return self.futures[key].result()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                _, _, key = heapq.heappop(self._queue)
+                if key in self._started:
+                    continue
+                self._started.add(key)
+            future = self.futures[key]
+            try:
+                future.set_result(self._run(key, *self._specs[key]))
+            except BaseException as err:  # noqa: BLE001 - handed to the test that waits
+                future.set_exception(err)
+
+    def _run(self, key: str, argv: list[str], cwd: Path, seed: str) -> JobResult:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=cwd, env=child_env(seed), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        with self._cv:
+            self._procs.append(proc)
+            if self._closed:  # closed while this one was starting
+                proc.terminate()
+        try:
+            stdout, stderr = proc.communicate(timeout=JOB_TIMEOUT)
+        except subprocess.TimeoutExpired as err:
+            proc.kill()
+            proc.communicate()
+            raise AssertionError(f"job {key} timed out after {JOB_TIMEOUT:.0f} s: "
+                                 f"{' '.join(argv[:8])}") from err
+        seconds = time.perf_counter() - start
+        if proc.returncode != 0:
+            raise AssertionError(
+                f"job {key} failed (exit {proc.returncode}) after {seconds:.0f} s: "
+                f"{' '.join(argv[:10])}\n--- stderr (tail) ---\n{stderr[-4000:]}")
+        return JobResult(key, stdout, stderr, seconds)
+
+    def close(self) -> None:
+        """Drop the jobs not started; stop the ones still running (a test failed early)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            for proc in self._procs:
+                if proc.poll() is None:
+                    proc.terminate()
+        for t in self._threads:
+            t.join()
+
+
+# --------------------------------------------------------------------------- toy results
+
+
+@dataclass
+class ToyRun:
+    """One toy run of the shared directory: its overrides, resolved config, stage
+    directories, run record and plan (``solution.parquet`` rows, indexed by node id)."""
+
+    overrides: tuple[str, ...]
+    cfg: Any
+    dirs: Any
+    record: dict
+    plan: list[dict]
+    seconds: float
+
+    def solution(self) -> Any:
+        """``solution.parquet`` as a pandas DataFrame."""
+        import pandas as pd
+
+        return pd.read_parquet(Path(self.dirs.solve) / "solution.parquet")
+
+
+class ToyResults:
+    """The session's shared toy results under ``root`` (see the module docstring)."""
+
+    def __init__(self, root: Path, jobs: Jobs) -> None:
+        self.root = root
+        self.jobs = jobs
+        self.cwd = root.parent
+        self._runs: dict[tuple[str, ...], ToyRun] = {}
+
+    def cfg(self, *overrides: str, results_dir: Path | None = None) -> Any:
+        """The resolved config of ``model=toy <overrides>`` in ``results_dir`` (default:
+        the shared directory)."""
+        from pipeline.config import load_resolved
+
+        root = self.root if results_dir is None else results_dir
+        return load_resolved(["model=toy", *overrides, f"results_dir={root}"])
+
+    @staticmethod
+    def _key(overrides: tuple[str, ...]) -> str:
+        """The job key of a config: its overrides as given (queueing resolves nothing, so
+        spell one config one way: a second spelling is a second, all-reusing run)."""
+        return "toy " + " ".join(overrides)
+
+    def prefetch(self, configs: Iterable[tuple[float, Sequence[str]]]) -> None:
+        """Queue ``(priority, overrides)`` configs (see :class:`Jobs` for the order)."""
+        for priority, overrides in configs:
+            self.jobs.submit(self._key(tuple(overrides)),
+                             [sys.executable, "-m", "pipeline", "model=toy", *overrides,
+                              f"results_dir={self.root}"], self.cwd, priority=priority)
+
+    def run(self, *overrides: str) -> ToyRun:
+        """The finished run of ``model=toy <overrides>`` (made now if nobody started it)."""
+        import pyarrow.parquet as pq
+
+        from pipeline.config import stage_dirs
+
+        if overrides not in self._runs:
+            self.prefetch([(-math.inf, overrides)])
+            res = self.jobs.result(self._key(overrides))
+            cfg = self.cfg(*overrides)
+            dirs = stage_dirs(cfg)
+            record = json.loads((Path(dirs.solve) / "run.json").read_text())
+            rows = pq.read_table(Path(dirs.solve) / "solution.parquet").to_pylist()
+            rows.sort(key=lambda r: r["node"])
+            assert [r["node"] for r in rows] == list(range(len(rows)))
+            self._runs[overrides] = ToyRun(overrides, cfg, dirs, record, rows, res.seconds)
+        return self._runs[overrides]
+
+    def copy_run(self, dest: Path, *overrides: str, upto: str = "solve") -> Any:
+        """Copy the artifacts of stages ``trace`` .. ``upto`` of one shared run into the
+        results directory ``dest`` (each stage directory's own files, modification times
+        and code stamps kept, so the pipeline there reuses them as current); return the
+        run's stage directories under ``dest``."""
+        from pipeline.config import stage_dirs
+
+        src = self.run(*overrides).dirs
+        dst = stage_dirs(self.cfg(*overrides, results_dir=dest))
+        for stage in RUN_STAGES[:RUN_STAGES.index(upto) + 1]:
+            out = Path(dst.of(stage))
+            out.mkdir(parents=True, exist_ok=True)
+            for path in Path(src.of(stage)).iterdir():
+                if path.is_file() and path.name != ".lock":
+                    shutil.copy2(path, out / path.name)
+        return dst
+
+
+def own_jobs_dir(tmp_path_factory: pytest.TempPathFactory, module: str) -> Path:
+    """The session's directory for the own jobs of test module ``module``."""
+    path = tmp_path_factory.getbasetemp() / f"own-jobs-{module}"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def queue_own_jobs(jobs: Jobs, items: Sequence[pytest.Item],
+                   tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Queue the own subprocesses of the test modules of ``items``, each at the index of
+    the first selected test that reads it. A module declares them with ``OWN_JOBS``
+    (job key -> names of the tests that read it) and ``own_job_argv(key, base)`` ->
+    ``(argv, PYTHONHASHSEED)``, ``base`` being :func:`own_jobs_dir` of the module (the
+    job's working directory)."""
+    for i, item in enumerate(items):
+        module = item.module
+        own = getattr(module, "OWN_JOBS", None)
+        if own is None:
+            continue
+        name = getattr(item, "originalname", item.name)
+        for key, tests in own.items():
+            if name in tests:
+                base = own_jobs_dir(tmp_path_factory, module.__name__)
+                argv, seed = module.own_job_argv(key, base)
+                jobs.submit(key, argv, base, seed=seed, priority=i)
+
+
+def reads_jobs(item: pytest.Item) -> bool:
+    """Whether ``item`` reads a background job: a ``toy_runs`` marker, or a test its
+    module's ``OWN_JOBS`` names."""
+    if item.get_closest_marker("toy_runs"):
+        return True
+    name = getattr(item, "originalname", item.name)
+    return any(name in tests for tests in getattr(item.module, "OWN_JOBS", {}).values())
+
+
+def toy_configs_of(items: Sequence[pytest.Item]) -> list[tuple[int, tuple[str, ...]]]:
+    """(index of the test, config) of every config the ``toy_runs`` markers of ``items``
+    declare, parameters filled in; tests that are skipped or not run declare none."""
+    out = []
+    for i, item in enumerate(items):
+        xfail = item.get_closest_marker("xfail")
+        if item.get_closest_marker("skip") or (xfail and xfail.kwargs.get("run") is False):
+            continue
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        for mark in item.iter_markers("toy_runs"):
+            for config in mark.args:
+                out.append((i, tuple(o.format(**params) for o in config)))
+    return out
