@@ -1,4 +1,4 @@
-"""Benchmark runner (pipeline/bench.py): the ``smoke`` suite end to end in fresh
+"""Benchmark runner (pipeline/bench/): the ``smoke`` suite end to end in fresh
 processes, ``--dry-run``, one-line usage errors, and a failing case recorded as ``Error``
 without stopping the suite.
 

@@ -1,4 +1,4 @@
-"""The plan file (pipeline/plan.py) and the exports of pipeline/apply.py.
+"""The plan file (pipeline/plan.py) and the exports of pipeline/apply/.
 
 A tiny toy is solved once in this process (mesh 2x2, dp x tp); the plan it writes is
 checked against the solve stage's own tables, then edited in every way ``load`` must

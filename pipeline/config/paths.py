@@ -33,8 +33,8 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
               "pipeline/artifacts.py", "pipeline/plan.py", "pipeline/costmodel/**/*.py"),
     "report": ("pipeline/report.py", "pipeline/artifacts.py"),
     "paper": ("pipeline/paper.py", "pipeline/paper/**/*.py"),
-    "verify": ("pipeline/verify.py", "pipeline/apply.py", "pipeline/plan.py",
-               "pipeline/cpu_kernels.py"),
+    "verify": ("pipeline/verify.py", "pipeline/apply.py", "pipeline/apply/**/*.py",
+               "pipeline/plan.py", "pipeline/cpu_kernels.py"),
 }
 
 

@@ -1,4 +1,4 @@
-# Benchmark suites (pipeline/bench.py): one fresh `python -m pipeline` process per case,
+# Benchmark suites (pipeline/bench/): one fresh `python -m pipeline` process per case,
 # results in <results_dir>/bench/<suite>.{parquet,md}.
 #
 #   snakemake bench                        # suite `search`

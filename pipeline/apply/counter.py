@@ -1,0 +1,93 @@
+"""Counting collectives while a plan runs.
+
+Collectives are counted by :class:`CollectiveCounter`, a
+``torch.distributed.tensor.debug.CommDebugMode`` that also reads the process group of
+each functional collective and maps it to the mesh dim it belongs to; one call of a
+functional collective on one mesh dim's group is one collective. On CPU, DTensor runs
+an all-to-all as an all-gather plus a local chunk (gloo has no all-to-all,
+``_collective_utils.shard_dim_alltoall``); such a gather is counted as the
+``all_to_all`` DTensor issued.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+__all__ = ["COLLECTIVE_KINDS", "CollectiveCounter"]
+
+#: Functional collectives (their op names) -> the collective kind of the cost model.
+COLLECTIVE_KINDS: dict[str, str] = {
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "shard_dim_alltoall": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+class CollectiveCounter(CommDebugMode):
+    """``CommDebugMode`` that also counts collectives per ``kind(mesh dim name)``.
+
+    ``counts`` maps e.g. ``"all_gather(dp)"`` to the number of functional collective
+    calls of that kind on that mesh dim's process group (see the module docstring for
+    the CPU all-to-all). ``get_comm_counts()`` keeps CommDebugMode's own per-op totals
+    (every collective still goes through ``CommDebugMode.__torch_dispatch__``); other
+    ops skip its per-op tracing tables.
+    """
+
+    def __init__(self, mesh: Any):
+        super().__init__()
+        names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
+        self.group_dims = {mesh.get_group(d).group_name: names[d] for d in range(mesh.ndim)}
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            return NotImplemented  # let DTensor desugar into local ops and collectives
+        packet = func._overloadpacket
+        if packet not in self.comm_registry:
+            # Not a collective: skip CommDebugMode's per-op bookkeeping (its operation
+            # lists cost more than the op on these small tensors).
+            return func(*args, **(kwargs or {}))
+        name = packet._qualified_op_name.split("::")[-1]
+        kind = COLLECTIVE_KINDS.get(name, name)
+        if kind == "all_gather" and _inside_cpu_alltoall():
+            kind = "all_to_all"
+        group = _group_name(func, args, kwargs or {})
+        self.counts[f"{kind}({self.group_dims.get(group, group)})"] += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _group_name(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "group_name":
+            value = kwargs.get("group_name", args[i] if i < len(args) else None)
+            return str(value)
+    return "?"
+
+
+def _inside_cpu_alltoall() -> bool:
+    """Whether DTensor's CPU all-to-all (all-gather + chunk) is on the call stack."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "shard_dim_alltoall" and code.co_filename.endswith(
+                "_collective_utils.py"):
+            return True
+        frame = frame.f_back
+    return False
+
