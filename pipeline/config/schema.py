@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import MISSING
 
 from pipeline import models as model_families
+from pipeline import schema_types
 from pipeline.costmodel.hardware import HardwareConfig
 from pipeline.models.custom import CustomModelConfig, InputSpec
 from pipeline.models.hf import HFModelConfig
@@ -199,39 +200,13 @@ def group_options(group: str) -> list[str]:
 # --------------------------------------------------------------------------- introspection
 
 
-def _unwrap_optional(t: Any) -> tuple[Any, bool]:
-    args = typing.get_args(t)
-    if type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else Any), True
-    return t, False
-
-
 def schema_type(key: str) -> tuple[Any, bool] | None:
     """(type, optional) of a dotted key in the :class:`Config` schema, ``None`` if unknown.
 
     List indices (``constraints.nodes.0.match``) and dict entries are followed."""
     if key.split(".")[0] == "model":  # typed by the family schemas (pipeline/models)
         return model_families.field_type(key)
-    t: Any = Config
-    optional = False
-    for part in key.split("."):
-        origin = typing.get_origin(t)
-        if dataclasses.is_dataclass(t):
-            hints = typing.get_type_hints(t)
-            if part not in hints:
-                return None
-            t = hints[part]
-        elif origin is list and part.isdigit():
-            t = typing.get_args(t)[0]
-        elif origin is dict:
-            t = typing.get_args(t)[1]
-        elif t is Any:
-            return Any, True
-        else:
-            return None
-        t, optional = _unwrap_optional(t)
-    return t, optional
+    return schema_types.field_type(Config, key.split("."))
 
 
 #: Schema dataclasses by class name (OmegaConf names them in its errors).

@@ -29,12 +29,12 @@ transformers only when a model is built or checked).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipeline import schema_types
 
 __all__ = [
     "FAMILIES",
@@ -135,35 +135,10 @@ def field_type(key: str) -> tuple[Any, bool] | None:
     if any(key == k or key.startswith(k + ".") for k in OPEN_MAPPING_KEYS) and len(parts) > 2:
         return Any, True
     for family in FAMILIES:
-        found = _dataclass_field_type(schema_of(family), parts[1:])
+        found = schema_types.field_type(schema_of(family), parts[1:])
         if found is not None:
             return found
     return None
-
-
-def _dataclass_field_type(t: Any, parts: list[str]) -> tuple[Any, bool] | None:
-    optional = False
-    for part in parts:
-        origin = typing.get_origin(t)
-        if dataclasses.is_dataclass(t):
-            hints = typing.get_type_hints(t)
-            if part not in hints:
-                return None
-            t = hints[part]
-        elif origin is list and part.isdigit():
-            t = typing.get_args(t)[0]
-        elif origin is dict:
-            t = typing.get_args(t)[1]
-        elif t is Any:
-            return Any, True
-        else:
-            return None
-        args = typing.get_args(t)
-        optional = type(None) in args
-        if optional:
-            rest = [a for a in args if a is not type(None)]
-            t = rest[0] if len(rest) == 1 else Any
-    return t, optional
 
 
 def validate(model_cfg: Mapping[str, Any]) -> None:
