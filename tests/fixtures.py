@@ -9,11 +9,14 @@ and every test file that needs it reads the same artifacts. Configs share stages
 the pipeline's own cache, so the whole session traces the toy model once, builds one
 topology per mesh and one cost directory per (mesh, cost mode).
 
-Prefetch: a test declares the configs it reads with the ``toy_runs`` marker, e.g.
-``@pytest.mark.toy_runs(("mesh={mesh}", "lazy_costs=true"))``, where ``{name}`` is
-filled from the test's parameters. When the fixture is first requested, every config
-of the selected tests is started, :data:`WORKERS` at a time, longest first, so later
-tests find their runs done. A config nobody declared is made on first use.
+Background jobs: a test declares the configs it reads with the ``toy_runs`` marker,
+e.g. ``@pytest.mark.toy_runs(("mesh={mesh}", "lazy_costs=true"))``, where ``{name}`` is
+filled from the test's parameters; a test module may also declare subprocesses of its
+own (``OWN_JOBS``, :func:`queue_own_jobs`). At the start of the session (conftest.py)
+every job of the selected tests is queued in the session's pool (:class:`Jobs`,
+:data:`WORKERS` at a time, in the order the tests need them), and the tests that read
+jobs run after the others, so that the jobs are made while the other tests run. A
+config nobody declared is made on first use.
 
 The shared directory is read-only for tests: a test that writes (a stage rerun, a
 corrupted artifact, its own report) works on a copy (:meth:`ToyResults.copy_run`) or
