@@ -7,7 +7,9 @@
 Runs the stages the plan needs (reusing current artifacts), then spawns one process
 per mesh device on a ``gloo`` process group (CPU; forked, one thread each). Every
 process builds the same model with small random weights and the same inputs from a
-fixed seed (:func:`build_real_model`, :func:`real_inputs`), and runs the plan
+fixed seed (:func:`build_real_model`, :func:`real_inputs`: the built-in LLaMA family,
+or an ``hf`` architecture built on CPU with transformers' ``from_config`` and the
+attention and experts implementation the trace used), and runs the plan
 (:func:`pipeline.apply.run_step`: every node's output placement checked against the
 plan, collectives counted); rank 0 also runs the single-process reference step
 (eager forward, loss, ``backward()`` on the unsharded model). Both execute in float32
@@ -31,7 +33,8 @@ rounding. Written (atomically) to ``verify.json`` beside the plan:
 
 Exit status: 0 the plan verified; 1 it did not (``verify.json`` says why) or a
 process failed; 2 bad input (one line on stderr, nothing written): a bad override or
-flag, a plan file that is truncated, edited to an illegal placement or made for
+flag, a model family verify cannot build (``custom``), a traced step that draws random
+numbers (dropout with p > 0), a plan file that is truncated, edited to an illegal placement or made for
 another model, trace or mesh, or a process count other than the mesh size.
 """
 

@@ -151,3 +151,23 @@ def test_dropout_is_refused_in_one_line(results: Path, capsys: pytest.CaptureFix
     assert "dropout p=0.1" in lines[0] and "model.config.resid_pdrop=0" in lines[0]
     assert {str(p) for p in Path(results).rglob("*") if p.name != ".lock"} == before
     assert not (Path(dirs.solve) / "verify.json").exists()
+
+
+def test_mixtral_float32_experts_fallback_op_runs_replicated(results: Path) -> None:
+    """float32 experts trace transformers' ``grouped_mm_fallback`` custom op, which
+    DTensor has no strategy for: the plan runs it replicate-only (a fallback node, on
+    the local replicated tensors), and the step still matches."""
+    from pipeline.verify import verify
+
+    cfg, dirs = _prepare([*MIXTRAL, *SHAPE, "model.param_dtype=float32", "mesh=2",
+                          f"results_dir={results}"])
+    graph = pq.read_table(Path(dirs.trace) / "graph.parquet").to_pydict()
+    custom = [t for t in graph["target"] if "grouped_mm_fallback" in t]
+    assert len(custom) == 2 + 2  # forward up and down; their backward ops
+    plan = json.loads((Path(dirs.solve) / "plan.json").read_text())
+    fallback = [n for n in plan["nodes"] if "grouped_mm_fallback" in n["op"]]
+    assert len(fallback) == 4 and all(n["fallback"] and set(n["output"]) <= set("R(|)")
+                                      for n in fallback)
+    record = verify(cfg)
+    assert record["processes"] == 2
+    _check_record(cfg, dirs, record)
