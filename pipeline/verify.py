@@ -34,8 +34,9 @@ rounding. Written (atomically) to ``verify.json`` beside the plan:
 Exit status: 0 the plan verified; 1 it did not (``verify.json`` says why) or a
 process failed; 2 bad input (one line on stderr, nothing written): a bad override or
 flag, a model family verify cannot build (``custom``), a traced step that draws random
-numbers (dropout with p > 0), a plan file that is truncated, edited to an illegal placement or made for
-another model, trace or mesh, or a process count other than the mesh size.
+numbers (dropout with p > 0), a plan file that is truncated, edited to an illegal
+placement or made for another model, trace or mesh, or a process count other than the
+mesh size.
 """
 
 from __future__ import annotations

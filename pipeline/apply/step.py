@@ -8,7 +8,8 @@ on a real process group:
    storage placements (full tensors given on every rank are split locally, no
    communication); the tangent of the loss is a replicated one;
 2. each call node: every tensor argument whose current placement differs from the
-   placement the plan expects for it is redistributed (``DTensor.redistribute``: one
+   placement the plan expects for it is redistributed (``DTensor.redistribute``; into
+   a new Partial, which its public API refuses, by a local partition: one
    redistribution per graph edge, exactly the edges of ``redistributions.parquet``),
    the op is called on the DTensors, so DTensor's own sharding propagation picks the
    output placement, and that placement is compared with the plan's; a difference
