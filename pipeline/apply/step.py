@@ -8,7 +8,8 @@ on a real process group:
    storage placements (full tensors given on every rank are split locally, no
    communication); the tangent of the loss is a replicated one;
 2. each call node: every tensor argument whose current placement differs from the
-   placement the plan expects for it is redistributed (``DTensor.redistribute``: one
+   placement the plan expects for it is redistributed (``DTensor.redistribute``; into
+   a new Partial, which its public API refuses, by a local partition: one
    redistribution per graph edge, exactly the edges of ``redistributions.parquet``),
    the op is called on the DTensors, so DTensor's own sharding propagation picks the
    output placement, and that placement is compared with the plan's; a difference
@@ -17,6 +18,10 @@ on a real process group:
    tensors and its outputs are wrapped as replicated DTensors;
 3. the output node: the loss is redistributed to Replicate and every gradient to its
    parameter's placement (the reduce-scatter or all-reduce of the gradient sink).
+
+An ``aten.view`` whose input the trace saw viewable but whose local tensor is not (a
+CPU kernel or a collective laid it out otherwise than the meta kernel the trace ran)
+runs on a contiguous copy of it: the same values and placements.
 
 Non-tensor values are decoded from the IR: dtypes (optionally mapped to a
 ``compute_dtype``, so a bf16 plan can be executed in float32), devices (``meta`` ->
@@ -47,6 +52,8 @@ __all__ = ["PlacementMismatchError", "StepResult", "distribute_full", "resolve_t
            "run_graph", "run_step"]
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+#: How aten (plain tensors) and DTensor (its view-op propagation) say a view is impossible.
+_NOT_VIEWABLE = ("view size is not compatible", "Cannot view a tensor")
 
 
 class PlacementMismatchError(PlanError):
@@ -177,6 +184,28 @@ def _as_dtensor(t: torch.Tensor, mesh: Any, placements: tuple) -> DTensor:
     return distribute_tensor(t, mesh, placements, src_data_rank=None)
 
 
+def _redistribute(value: DTensor, mesh: Any, want: tuple) -> DTensor:
+    """``value.redistribute(mesh, want)``, also into a Partial it is not in yet: DTensor's
+    public ``redistribute`` refuses targets with a new Partial ("for internal use only"),
+    which a plan chooses when a Replicate operand feeds an op whose other operand is a
+    Partial (a bias added to a partial matmul). Those mesh dims are first made Replicate
+    (with the usual collectives), then partitioned locally by the Partial placement's
+    own ``_partition_value`` (a sum divided by the mesh dim's size; no communication),
+    the conjugate of its reduction."""
+    new_partial = [d for d, p in enumerate(want)
+                   if p.is_partial() and value.placements[d] != p]
+    if not new_partial:
+        return value.redistribute(mesh, want)
+    middle = tuple(Replicate() if d in new_partial else p for d, p in enumerate(want))
+    if format_placements(middle) != format_placements(value.placements):
+        value = value.redistribute(mesh, middle)
+    local = _local(value)
+    for d in new_partial:
+        local = want[d]._partition_value(local, mesh, d)
+    return DTensor.from_local(local, mesh, want, run_check=False, shape=value.shape,
+                              stride=value.stride())
+
+
 def distribute_full(t: torch.Tensor, mesh: Any, placement: str) -> DTensor:
     """Split a full tensor held identically by every rank into ``placement`` locally
     (no communication): each rank keeps its shard."""
@@ -249,7 +278,7 @@ def run_step(nodes: Sequence[Any], plan: Plan, mesh: Any, *, params: Mapping[str
                 return value
             redistributions += 1
             try:
-                return value.redistribute(mesh, want)
+                return _redistribute(value, mesh, want)
             except (RuntimeError, ValueError, NotImplementedError, AssertionError) as err:
                 raise PlacementMismatchError(
                     f"{where}: DTensor cannot redistribute {_fmt(value)} -> {text}: "
@@ -388,6 +417,22 @@ def _call(op: Any, decode: _Decoder, n: Any, tensors: list[Any]) -> Any:
     pending = list(tensors)
     args = decode(n.args, pending, n.name)
     kwargs = {k: decode(v, pending, n.name) for k, v in n.kwargs.items()}
+    if op is torch.ops.aten.view.default:
+        try:
+            return op(*args, **kwargs)
+        except RuntimeError as err:
+            if not any(m in str(err) for m in _NOT_VIEWABLE):
+                raise
+        # the traced strides made this a view, the local tensor's (a kernel's or a
+        # collective's layout) do not: the same values, made contiguous first
+        src = args[0]
+        if isinstance(src, DTensor):
+            src = DTensor.from_local(_local(src).contiguous(), src.device_mesh,
+                                     src.placements, run_check=False, shape=src.shape,
+                                     stride=src.stride())
+        else:
+            src = src.contiguous()
+        return op(src, *args[1:], **kwargs)
     return op(*args, **kwargs)
 
 
