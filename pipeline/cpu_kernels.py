@@ -1,7 +1,7 @@
 """CPU kernels for the fused ops of a traced step that have none, so it runs on CPU.
 
 The built-in model calls ``aten._scaled_dot_product_flash_attention`` directly so that
-attention is one node of the traced graph, as on a GPU (shared/NOTES-torch.md). That
+attention is one node of the traced graph, as on a GPU. That
 op and its backward have CUDA and meta kernels only. :func:`cpu_kernels`
 registers CPU kernels for both, for the duration of a ``with`` block, computed by the
 CPU flash attention ``aten._scaled_dot_product_flash_attention_for_cpu`` (and its

@@ -31,7 +31,7 @@ Placements use the compact notation of :mod:`pipeline.placements` (``S(0)R``, ``
 ``MP(0,64x32)``, ...). A placement is *legal* for a tensor when it has one token per
 mesh dim and every sharded tensor dim exists and is at least as large as the number
 of shards of it (DTensor's ``is_tensor_shardable``); parameters, buffers and model
-inputs are never Partial (DESIGN.md, "Words").
+inputs are never Partial (a stored tensor is never a pending sum).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The model is built on the meta device, a fake process group sized to the
 mesh is initialised (``torch.distributed`` "fake" backend, no GPU), and the
 training step is captured with ``aot_export_joint_with_descriptors`` on the
-module itself (see shared/NOTES-torch.md), module paths being recorded through
+module itself (torch 2.13's joint export), module paths being recorded through
 forward hooks (:func:`module_path_annotations`). The joint
 graph holds aten ops (and any custom ops the model calls, named
 ``namespace.op.overload``); AOT descriptors identify parameters, buffers,

@@ -1,6 +1,6 @@
 """Strategy enumeration of single ops, counted by hand.
 
-``aten.mm`` has, per mesh dim (DTensor's single-dim rules, shared/NOTES-torch.md),
+``aten.mm`` has, per mesh dim (DTensor's single-dim rules),
 the rules ``[out, A, B]``: ``[R, R, R]``, ``[S(0), S(0), R]`` (row split),
 ``[S(1), R, S(1)]`` (column split), ``[P, S(1), S(0)]`` (contraction split),
 ``[P, P, R]`` and ``[P, R, P]`` (linearity in one Partial input), and the same two

@@ -90,8 +90,15 @@ def _target(cfg: Mapping[str, Any], key: str) -> Any:
     if not isinstance(target, str) or not _TARGET_RE.match(target):
         raise ValueError(f"model.{key}._target_={target!r}: allowed a dotted path to a "
                          "callable, e.g. my_models.make_model")
+    import logging
+
     from hydra.utils import get_object
 
+    # hydra.utils logs the failure itself (three lines) before raising: the one line
+    # below says it all.
+    hydra_log = logging.getLogger("hydra.utils")
+    level = hydra_log.level
+    hydra_log.setLevel(logging.CRITICAL)
     try:
         obj = get_object(target)
     except Exception as err:  # noqa: BLE001 - any import failure is the user's to fix
@@ -100,6 +107,8 @@ def _target(cfg: Mapping[str, Any], key: str) -> Any:
                          f"({type(cause).__name__}: {str(cause).strip().splitlines()[0]}); "
                          "allowed a callable importable from the working directory or "
                          "PYTHONPATH") from None
+    finally:
+        hydra_log.setLevel(level)
     if not callable(obj):
         raise ValueError(f"model.{key}._target_={target}: is a {type(obj).__name__}, not "
                          "callable; allowed a class or function")
