@@ -1,6 +1,6 @@
 """Model families: how the trace stage builds a module, its example inputs and its loss.
 
-A *model family* (llama, hf, custom; docs/architecture.md) is selected by ``model.family`` and owns one
+A *model family* (llama, hf, custom) is selected by ``model.family`` and owns one
 structured-config schema, a cheap validation run on every resolve, an optional
 *preflight* check run once before any stage writes (it may import heavy packages or run
 the module on the meta device), and a builder:
