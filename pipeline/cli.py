@@ -25,7 +25,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from pipeline.artifacts import CODE_STAMP, LOCK_FILE, SENTINELS
+from pipeline.artifacts import CODE_STAMP, LOCK_FILE, SENTINELS, stage_outputs
 from pipeline.config import (
     STAGES,
     ConfigError,
@@ -108,12 +108,18 @@ def stage_lock(directory: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def stage_is_current(stage: str, dirs: StageDirs, code: str) -> bool:
-    """Whether the stage's artifact exists, was made by the current code, and is not older
-    than the artifact it was computed from (the checks Snakemake makes, for one process)."""
+def stage_is_current(stage: str, dirs: StageDirs, code: str, lazy_costs: bool = True) -> bool:
+    """Whether every artifact of the stage exists (``lazy_costs``: the cost mode, which
+    decides whether the costs stage writes ``factors.npz``), was made by the current code,
+    and is not older than the artifact it was computed from (the checks Snakemake makes,
+    for one process)."""
     done = sentinel(dirs, stage)
     if not done.exists():
         return False
+    for artifact in stage_outputs(stage, lazy_costs):
+        if not artifact.path(dirs.of(stage)).exists():
+            log.info("%s: %s is missing; rerunning", stage, artifact.path(dirs.of(stage)))
+            return False
     stamp = dirs.of(stage) / CODE_STAMP
     if stamp.exists() and stamp.read_text().strip() != code:
         log.info("%s: code changed since %s was written; rerunning", stage, done)
@@ -172,7 +178,8 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
     directory = dirs.of(stage)
     code = stage_code_hash(stage)
     with stage_lock(directory):
-        if not force and stage != "report" and stage_is_current(stage, dirs, code):
+        if not force and stage != "report" and stage_is_current(stage, dirs, code,
+                                                                bool(cfg.lazy_costs)):
             log.info("%s: reusing %s", stage, sentinel(dirs, stage))
             return False
         log.info("%s: running in %s", stage, directory)

@@ -135,3 +135,30 @@ def test_factors_npz_of_other_code_is_refused(tmp_path: Path) -> None:
         np.savez(fh, **z)
     with pytest.raises(PlanError, match="schema_version=None, this code reads 1"):
         artifacts.load_factors(path)
+
+
+@pytest.mark.toy_runs(("mesh=8", "lazy_costs=false"))
+@pytest.mark.parametrize("stage, name", [("solve", "plan.json"), ("costs", "factors.npz")])
+def test_a_missing_artifact_reruns_its_stage(tmp_path: Path, toy_results, stage: str,
+                                             name: str) -> None:
+    """A stage is reused only when every artifact it writes is there: a deleted
+    ``plan.json`` (solve) or ``factors.npz`` (eager costs) is made again by
+    ``python -m pipeline``, with the same plan."""
+    import json
+    import subprocess
+    import sys
+
+    from fixtures import child_env
+
+    overrides = ("mesh=8", "lazy_costs=false")
+    dirs = toy_results.copy_run(tmp_path / "results", *overrides)
+    before = json.loads((dirs.solve / "run.json").read_text())["placement_hash"]
+    (dirs.of(stage) / name).unlink()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", "model=toy", *overrides,
+         f"results_dir={tmp_path / 'results'}"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=900, env=child_env("1"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"{stage}: " in proc.stderr and "is missing; rerunning" in proc.stderr
+    assert (dirs.of(stage) / name).is_file()
+    assert json.loads((dirs.solve / "run.json").read_text())["placement_hash"] == before

@@ -206,7 +206,7 @@ def run_is_current(cfg: DictConfig) -> bool:
     from pipeline import cli
 
     dirs = stage_dirs(cfg)
-    return all(cli.stage_is_current(stage, dirs, stage_code_hash(stage))
+    return all(cli.stage_is_current(stage, dirs, stage_code_hash(stage), bool(cfg.lazy_costs))
                for stage in ("trace", "topology", "costs", "solve"))
 
 
