@@ -106,8 +106,9 @@ _JOB_SCRIPT = textwrap.dedent("""
 """)
 
 
-class Jobs:
-    """One pipeline subprocess per model (and one for the custom example), two at a time."""
+class ModelJobs:
+    """One pipeline subprocess per model (and one for the custom example), two at a time
+    (this module's own pool, not the session's ``jobs`` of conftest.py)."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -149,8 +150,8 @@ class Jobs:
 
 
 @pytest.fixture(scope="module")
-def jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    j = Jobs(tmp_path_factory.mktemp("models"))
+def model_jobs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    j = ModelJobs(tmp_path_factory.mktemp("models"))
     wanted = []
     for item in request.session.items:
         if item.module is sys.modules[__name__]:
@@ -192,8 +193,8 @@ def rel_close(a: float, b: float, rel: float = 1e-9) -> bool:
 
 
 @pytest.mark.parametrize("model", list(TINY))
-def test_lazy_and_eager_agree(jobs: Jobs, model: str) -> None:
-    out = jobs.dirs(model)
+def test_lazy_and_eager_agree(model_jobs: ModelJobs, model: str) -> None:
+    out = model_jobs.dirs(model)
     for mesh in MESHES:
         lazy, eager = record(out[f"{mesh}-lazy"]), record(out[f"{mesh}-eager"])
         assert (lazy["cost_mode"], eager["cost_mode"]) == ("lazy", "eager")
@@ -240,8 +241,8 @@ def _dtensor_check(dirs: dict[str, str]) -> tuple[int, list, list]:
 
 @pytest.mark.parametrize("mesh", ["2x4", "2x4x8"])
 @pytest.mark.parametrize("model", list(TINY))
-def test_plan_accepted_by_dtensor(jobs: Jobs, model: str, mesh: str) -> None:
-    total, bad, skipped = _dtensor_check(jobs.dirs(model)[f"{mesh}-lazy"])
+def test_plan_accepted_by_dtensor(model_jobs: ModelJobs, model: str, mesh: str) -> None:
+    total, bad, skipped = _dtensor_check(model_jobs.dirs(model)[f"{mesh}-lazy"])
     assert total > 200, total
     assert not bad, f"{len(bad)} of {total} chosen strategies refused by DTensor: {bad[:5]}"
     # replicate-only fallbacks (arange, sort, histc, ...) cannot be asked
@@ -252,8 +253,8 @@ def test_plan_accepted_by_dtensor(jobs: Jobs, model: str, mesh: str) -> None:
 
 
 @needs("qwen2")
-def test_groups_independent_of_depth(jobs: Jobs) -> None:
-    out = jobs.dirs("qwen2")
+def test_groups_independent_of_depth(model_jobs: ModelJobs) -> None:
+    out = model_jobs.dirs("qwen2")
     two = json.loads((Path(out["2x4-lazy"]["topology"]) / "topology.json").read_text())
     four = json.loads((Path(out["4layers"]["topology"]) / "topology.json").read_text())
     assert four["counts"]["nodes"] > two["counts"]["nodes"]
@@ -304,10 +305,10 @@ def _names_of(g: dict[str, list], fqn: str) -> set[str]:
 
 
 @needs("gpt2")
-def test_tied_embeddings_gpt2(jobs: Jobs) -> None:
+def test_tied_embeddings_gpt2(model_jobs: ModelJobs) -> None:
     """Bug 1: ``lm_head.weight is transformer.wte.weight`` was two parameters with two
     placements and its memory counted twice."""
-    dirs = jobs.dirs("gpt2")["2x4-lazy"]
+    dirs = model_jobs.dirs("gpt2")["2x4-lazy"]
     # 2 + 12 per block + 2 distinct tensors; lm_head.weight is the 29th name
     _check_tied(dirs, "transformer.wte.weight", "lm_head.weight", 2 + 12 * 2 + 2)
     assert record(dirs)["model_info"]["parameters"] == _gpt2_parameters(2, WIDTH, VOCAB,
@@ -315,8 +316,8 @@ def test_tied_embeddings_gpt2(jobs: Jobs) -> None:
 
 
 @needs("bert")
-def test_tied_embeddings_masked_lm(jobs: Jobs) -> None:
-    dirs = jobs.dirs("bert")["2x4-lazy"]
+def test_tied_embeddings_masked_lm(model_jobs: ModelJobs) -> None:
+    dirs = model_jobs.dirs("bert")["2x4-lazy"]
     g = graph(dirs)
     params = {f for f, r in zip(g["fqn"], g["role"]) if r == "param"}
     assert "cls.predictions.decoder.weight" not in params
@@ -347,11 +348,11 @@ def test_tracing_state_is_what_transformers_looks_for() -> None:
 
 
 @needs("qwen2")
-def test_qwen2_attention_one_fused_node_no_mask(jobs: Jobs) -> None:
+def test_qwen2_attention_one_fused_node_no_mask(model_jobs: ModelJobs) -> None:
     """Bug 0: Qwen2 traces (on main it stopped at ``aten._local_scalar_dense`` in
     ``find_packed_sequence_indices``), with attention one fused causal flash node per
     layer, as the built-in model, and no s x s score or mask tensor."""
-    g = graph(jobs.dirs("qwen2")["2x4-lazy"])
+    g = graph(model_jobs.dirs("qwen2")["2x4-lazy"])
     targets = g["target"]
     fwd = [_is_causal(a, k) for a, k, t in zip(g["args"], g["kwargs"], targets)
            if t == "aten._scaled_dot_product_flash_attention.default"]
@@ -400,11 +401,11 @@ def test_seq2seq_t5_trace() -> None:
 
 
 @needs("mixtral")
-def test_non_aten_custom_op_costed_not_crashing(jobs: Jobs) -> None:
+def test_non_aten_custom_op_costed_not_crashing(model_jobs: ModelJobs) -> None:
     """Bug 2: Mixtral's experts in fp32 run transformers' ``grouped_mm_fallback`` custom
     op; the cost stage raised ``cannot resolve op torch._ops.transformers....``. It is
     now named by its op name, replicate-only, costed memory-bound, listed in the record."""
-    dirs = jobs.dirs("mixtral")["fp32"]
+    dirs = model_jobs.dirs("mixtral")["fp32"]
     rec = record(dirs)
     ops = rec["fallback_ops"]
     assert ops["transformers.grouped_mm_fallback.default"] == 4  # 2 per layer, 2 layers
@@ -416,8 +417,8 @@ def test_non_aten_custom_op_costed_not_crashing(jobs: Jobs) -> None:
 
 
 @needs("mixtral")
-def test_bf16_experts_are_grouped_mm(jobs: Jobs) -> None:
-    dirs = jobs.dirs("mixtral")["8-lazy"]
+def test_bf16_experts_are_grouped_mm(model_jobs: ModelJobs) -> None:
+    dirs = model_jobs.dirs("mixtral")["8-lazy"]
     rows = [r for r in plan(dirs) if r["op"] == "aten._grouped_mm.default"]
     # forward up + down per layer; backward: input and weight gradient of each
     assert len(rows) == 2 * (2 + 4)
@@ -592,8 +593,8 @@ def test_custom_builder_source_keys_the_trace(user_dir: Path) -> None:
 
 
 @needs("example")
-def test_custom_example_end_to_end(jobs: Jobs) -> None:
-    out = jobs.dirs("example")
+def test_custom_example_end_to_end(model_jobs: ModelJobs) -> None:
+    out = model_jobs.dirs("example")
     for mesh in MESHES:
         lazy, eager = record(out[f"{mesh}-lazy"]), record(out[f"{mesh}-eager"])
         assert rel_close(lazy["objective"], eager["objective"])
