@@ -561,18 +561,17 @@ def test_stage_code_hash_covers_a_module_split_into_a_package(tmp_path, stage, m
 
 @pytest.fixture
 def fake_stages(monkeypatch):
-    """Replace the stage functions by ones that write their sentinels and log calls."""
+    """Replace the stage functions by ones that write their artifacts and log calls."""
     calls: list[str] = []
 
     def fake(stage, cfg, dirs):
+        from pipeline.artifacts import stage_outputs
+
         calls.append(stage)
         time.sleep(0.01)
-        path = cli.sentinel(dirs, stage)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(stage)
-        if stage == "report":
-            (dirs.report / "placements.parquet").write_text(stage)
-            (dirs.report / "redistributions.parquet").write_text(stage)
+        dirs.of(stage).mkdir(parents=True, exist_ok=True)
+        for artifact in stage_outputs(stage, bool(cfg.lazy_costs)):  # sentinel last
+            artifact.path(dirs.of(stage)).write_text(stage)
 
     monkeypatch.setattr(cli, "_call_stage", fake)
     return calls
