@@ -26,8 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from omegaconf import OmegaConf
-
-from pipeline.config import load_resolved, stage_dirs
+from test_verify import _prepare  # trace .. solve of a config, in this process
 
 pytest.importorskip("transformers")
 
@@ -48,16 +47,6 @@ MIXTRAL = ("model=hf/mixtral", "model.config.num_hidden_layers=1",
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("verify_hf")
-
-
-def _prepare(overrides: list[str]):
-    from pipeline.cli import run_stage
-
-    cfg = load_resolved(overrides)
-    dirs = stage_dirs(cfg)
-    for stage in ("trace", "topology", "costs", "solve"):
-        run_stage(stage, cfg, dirs)
-    return cfg, dirs
 
 
 def _own_loss(model, inputs) -> float:
