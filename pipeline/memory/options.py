@@ -1,0 +1,136 @@
+"""What the memory model is told about the training step: optimizer, checkpointing, FSDP.
+
+These are plain values (no Hydra, no torch) so the solvers' side of the pipeline and
+the tests can build them directly; the configuration layer turns ``optimizer.*``,
+``memory.*`` and ``fsdp.*`` into a :class:`MemoryOptions` with :func:`memory_options`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CHECKPOINTING",
+    "OPTIMIZERS",
+    "MemoryOptions",
+    "format_bytes",
+    "memory_options",
+    "optimizer_state_per_element",
+    "parse_bytes",
+]
+
+#: ``memory.activation_checkpointing`` values (pipeline/memory/__init__.py states the rules).
+CHECKPOINTING = ("none", "full", "selective")
+
+#: Optimizers the model knows, with the number of state tensors each keeps per
+#: parameter element (each shaped and sharded like its parameter):
+#: ``adamw`` the first and second moments (``exp_avg``, ``exp_avg_sq``; Loshchilov &
+#: Hutter 2019, algorithm 2; ``torch.optim.AdamW`` keeps them in the parameter's dtype,
+#: here the state dtype); ``sgd`` one momentum buffer when ``momentum > 0``
+#: (``torch.optim.SGD``'s ``momentum_buffer``), none without momentum; ``none`` nothing
+#: (gradients only, e.g. an inference-style or an externally offloaded optimizer).
+OPTIMIZERS = ("adamw", "sgd", "none")
+
+
+def optimizer_state_per_element(name: str, momentum: float = 0.0) -> int:
+    """State tensors per parameter element of optimizer ``name`` (see :data:`OPTIMIZERS`).
+
+    Raises ValueError for an unknown name.
+    """
+    if name == "adamw":
+        return 2
+    if name == "sgd":
+        return 1 if momentum > 0 else 0
+    if name == "none":
+        return 0
+    raise ValueError(f"optimizer.name={name!r}: allowed {', '.join(OPTIMIZERS)}")
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """The facts of the training step the memory model needs beyond the graph.
+
+    Attributes:
+        optimizer: optimizer name (:data:`OPTIMIZERS`).
+        state_tensors: optimizer state tensors per parameter element.
+        state_itemsize: bytes per optimizer-state element (4: float32).
+        checkpointing: ``none``, ``full`` or ``selective`` (:data:`CHECKPOINTING`).
+        reshard_after_forward: FSDP2's ``reshard_after_forward``: a weight gathered in
+            forward is freed after its last forward use and gathered again in backward
+            (True, FSDP2's default), or kept until its last backward use (False).
+    """
+
+    optimizer: str = "adamw"
+    state_tensors: int = 2
+    state_itemsize: int = 4
+    checkpointing: str = "none"
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"memory.activation_checkpointing={self.checkpointing!r}: "
+                             f"allowed {', '.join(CHECKPOINTING)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer.name={self.optimizer!r}: allowed {', '.join(OPTIMIZERS)}")
+
+
+def memory_options(optimizer: Any = None, memory: Any = None, fsdp: Any = None) -> MemoryOptions:
+    """Build :class:`MemoryOptions` from the ``optimizer``, ``memory`` and ``fsdp``
+    config nodes (mappings or None for the defaults)."""
+    import torch
+
+    opt = dict(optimizer or {})
+    name = str(opt.get("name", "adamw"))
+    momentum = float(opt.get("momentum", 0.0) or 0.0)
+    state_dtype = getattr(torch, str(opt.get("state_dtype", "float32")))
+    mem = dict(memory or {})
+    fs = dict(fsdp or {})
+    return MemoryOptions(
+        optimizer=name, state_tensors=optimizer_state_per_element(name, momentum),
+        state_itemsize=int(state_dtype.itemsize),
+        checkpointing=str(mem.get("activation_checkpointing", "none")),
+        reshard_after_forward=bool(fs.get("reshard_after_forward", True)))
+
+
+_UNITS = {"": 1, "b": 1,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTES_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?(?:[eE][+]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(value: Any, key: str = "constraints.device_memory") -> int:
+    """A positive byte count from ``80GiB``, ``80GB`` (10^9), ``1.5TiB``, ``8e10`` or an int.
+
+    Units (case-insensitive): B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers
+    of 1024). Raises ValueError with a one-line message naming ``key`` and the value.
+    """
+    allowed = ("allowed a positive size such as 80GiB, 80GB, 1.5TiB or a byte count "
+               "(units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
+    if isinstance(value, bool):
+        raise ValueError(f"{key}={value!r}: {allowed}")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        m = _BYTES_RE.match(str(value))
+        if m is None:
+            raise ValueError(f"{key}={value}: {allowed}")
+        number, unit = float(m.group(1)), m.group(2).lower()
+        if unit not in _UNITS:
+            raise ValueError(f"{key}={value}: unknown unit {m.group(2)!r}; {allowed}")
+    nbytes = number * _UNITS[unit]
+    if not math.isfinite(nbytes) or nbytes < 1:
+        raise ValueError(f"{key}={value}: must be at least 1 byte; {allowed}")
+    return int(nbytes)
+
+
+def format_bytes(nbytes: float) -> str:
+    """``85899345920`` -> ``80.00 GiB`` (binary units, for messages)."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.2f} {unit}" if unit != "B" else f"{int(value)} B"
+        value /= 1024
+    return f"{value:.2f} TiB"  # pragma: no cover
