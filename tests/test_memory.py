@@ -390,3 +390,66 @@ def test_format_bytes() -> None:
 
 def test_kinds_are_named_once() -> None:
     assert len(set(KINDS)) == len(KINDS)
+
+
+def test_backward_weight_reads_and_regather_edges(toy8: TopologyTables) -> None:
+    graph = step_graph(toy8)
+    names, target = toy8.nodes["name"], toy8.nodes["target"]
+    reads = graph.backward_weight_reads()
+    # Each of the 20 weights but the embedding table is read by the backward through a
+    # forward copy: the 7 + 2 norms per layer, the final norm and the head = 20 copies,
+    # each read once (mm's transposed weight, the norm backward's weight).
+    readers = {graph.edges[e][0] for e in reads}
+    assert len(readers) == 20 == len(reads)
+    for u in readers:
+        assert target[u] in ("aten.t.default", "aten._to_copy.default"), names[u]
+        (param,) = graph.weight_source(u)
+        assert toy8.nodes["role"][param] == "param"
+    # The chains param -> _to_copy (-> t): one or two edges per copy.
+    chain = graph.regather_edges()
+    assert chain.sum() == sum(2 if target[u] == "aten.t.default" else 1 for u in readers)
+    for e in np.flatnonzero(chain):
+        assert graph.weight_derived[graph.edges[e][2]]
+
+
+def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) -> None:
+    """No parameter budget: the cheapest toy plan on 8 is DDP. A device-memory limit one
+    byte below its peak must move some parameters to a sharded placement."""
+    from dataclasses import replace
+
+    from pipeline.costmodel.hardware import load_hardware
+    from pipeline.costs import build_mrf, group_structure
+    from pipeline.memory.constraint import fit_plan
+    from pipeline.solvers.ilp import solve_ilp
+    from pipeline.solvers.lagrangian import solve_with_row
+    from pipeline.solvers.trws import solve_trws
+
+    hw = load_hardware(str(Path(__file__).resolve().parents[1] / "conf/hardware/h100.yaml"))
+    mrf, _ = build_mrf(toy8, hw, lazy=True)
+    gs = group_structure(toy8)
+    graph, opts = step_graph(toy8), MemoryOptions()
+    terms = linear_terms(toy8, graph, opts)
+    coef = terms.group_coef(gs.group_of, gs.domain)
+    free = solve_trws(mrf)
+    assert free.status == "Optimal"
+    plan0 = np.asarray(free.labels)[gs.group_of]
+    peak0 = walk(toy8, graph, opts, plan0).peak_bytes
+    params = [v for v, r in enumerate(toy8.nodes["role"]) if r == "param"]
+    assert all(toy8.slist_outputs[toy8.nodes["slist"][v]][plan0[v]] == "R" for v in params)
+
+    def peak_of(labels: np.ndarray) -> Any:
+        return walk(toy8, graph, opts, np.asarray(labels)[gs.group_of])
+
+    fit = fit_plan(lambda rows: solve_with_row(mrf, rows[0], solve_trws), peak_of, coef,
+                   peak0 - 1, mrf.unary, f"{int(peak0 - 1)}")
+    plan1 = np.asarray(fit.result.labels)[gs.group_of]
+    assert (plan1 != plan0).any()
+    assert fit.peak.peak_bytes <= peak0 - 1
+    assert fit.result.objective >= free.objective
+    assert any(toy8.slist_outputs[toy8.nodes["slist"][v]][plan1[v]] != "R" for v in params)
+    # The exact program with the same row: its optimum lies between TRW-S's bound and
+    # TRW-S's plan.
+    exact = solve_ilp(replace(mrf, linear_constraints=[fit.row]), backend="highs")
+    assert exact.status == "Optimal"
+    assert fit.result.lower_bound <= exact.objective + 1e-6
+    assert exact.objective <= fit.result.objective + 1e-6

@@ -197,6 +197,27 @@ class StepGraph:
                     out.append(e)
         return sorted(out)
 
+    def regather_edges(self) -> np.ndarray:
+        """bool ``[num_edges]``: the forward edges that make a weight copy the backward
+        reads (the edges into it and into its weight-derived ancestors, from the
+        parameter on). With ``reshard_after_forward=true`` FSDP2 repeats them before the
+        backward use (all-gather and cast again), so a cost model charging the re-gather
+        pays their redistribution twice."""
+        out = np.zeros(len(self.edges), dtype=bool)
+        stack = sorted({self.edges[e][0] for e in self.backward_weight_reads()})
+        seen: set[int] = set()
+        while stack:
+            v = stack.pop()
+            if v in seen:
+                continue
+            seen.add(v)
+            for e in self.in_edges[v]:
+                out[e] = True
+                u = self.edges[e][0]
+                if self.weight_derived[u]:
+                    stack.append(u)
+        return out
+
     def weight_source(self, node: int) -> list[int]:
         """The parameter placeholders a weight-derived node is computed from."""
         seen: set[int] = set()

@@ -202,9 +202,9 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
 
     # Checkpointing keeps layer inputs (and selective matmul / attention outputs) until
     # the backward of the layers that recompute from them.
-    for st in range(num_st):
-        held = graph.held_for.get(root_of_storage[st])
-        if held is None or st_time[st] < 0:
+    for r, held in graph.held_for.items():
+        st = st_of_slot[r]
+        if st_time[st] < 0:
             continue
         for lay in held:
             start = graph.layer_bwd_start.get(lay)
