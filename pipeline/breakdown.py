@@ -7,7 +7,9 @@ For a strategy ``x`` (one index per node) the objective of pipeline/costs.py spl
 * ``compute_v = U_v(x_v)``, the node's unary;
 * ``comm_v``: over the incoming edges e = (u, v, a) of v, the redistribution cost of
   u's output placement under ``x_u`` into v's expected placement for argument a under
-  ``x_v`` (``inf`` for a pair DTensor forbids);
+  ``x_v`` (``inf`` for a pair DTensor forbids), times the number of times it runs
+  (2 for a forward edge activation checkpointing recomputes, else 1:
+  ``CostModel.edge_times``);
 * ``transition_v``: the transition cost 1.0 per incoming edge whose two placements
   differ.
 
@@ -39,8 +41,10 @@ class PlanBreakdown:
             placements differ, in graph-edge order: ``producer``, ``element``,
             ``consumer``, ``arg``, ``shape``, ``dtype``, ``src_placement``,
             ``dst_placement``, ``collectives`` (``kind(mesh dim name)``), ``bytes``
-            (sent per device, summed over steps), ``comm_us`` and ``collective_steps``
-            (the redistribute steps that are collectives, for summaries).
+            (sent per device, summed over steps), ``times`` (runs per step: 2 when
+            checkpointing recomputes it), ``comm_us`` (all runs) and
+            ``collective_steps`` (the redistribute steps that are collectives, for
+            summaries; once).
     """
 
     compute_us: np.ndarray
@@ -73,7 +77,8 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
     classes = cost_model.edge_classes().tolist()
     # (edge class, src class, dst class) -> (µs, differ, row fields of a redistribution)
     memo: dict[tuple[int, int, int], tuple[float, bool, dict[str, Any] | None]] = {}
-    for (u, element, v, a), ec in zip(cost_model.edges, classes):
+    times_of = cost_model.edge_times.tolist()
+    for (u, element, v, a), ec, times in zip(cost_model.edges, classes, times_of):
         r, srcs = cost_model.out_classes(u, element)
         c, dsts = cost_model.in_classes(v, a)
         i, j = int(r[strat[u]]), int(c[strat[v]])
@@ -86,6 +91,8 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
             us = math.inf if steps is None else 0.0
             for st in steps or ():
                 us += st.us
+            if times != 1:
+                us = us * times
             fields = None
             if src != dst:
                 coll = [st for st in steps or () if st.kind in collectives]
@@ -96,7 +103,7 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
                     "collectives": [f"{st.kind}({names[st.mesh_dim]})" for st in coll],
                     "collective_steps": coll,
                     "bytes": 0 if steps is None else int(sum(st.bytes for st in steps)),
-                    "comm_us": us}
+                    "times": times, "comm_us": us}
             hit = memo[(ec, i, j)] = (us, src != dst, fields)
         us, differ, fields = hit
         comm[v] += us

@@ -27,7 +27,12 @@ Every sum runs in graph-edge order, so eager and lazy costs give bit-identical
 factors.
 
 The MRF also carries the parameter-memory budget row
-(``constraints.param_memory``, pipeline/budget.py), built here with the unaries.
+(``constraints.param_memory``, pipeline/budget.py) and, with
+``constraints.device_memory``, the device-memory row (bytes per device of parameters,
+gradients, optimizer state, buffers and saved activations: pipeline/memory/), both
+built here with the unaries. Activation checkpointing
+(``memory.activation_checkpointing``) makes the recomputed forward ops and edges of
+each repeated layer count twice (:class:`CostModel` ``recompute``).
 
 Eager: every factor is computed here, one table per graph edge, and the complete
 MRF (with its rows) is written to ``factors.npz``; ``costs.json`` holds the counts and
@@ -115,9 +120,15 @@ class CostModel:
         hw: HardwareConfig (or a DictConfig with the same fields).
         memoise: memoise edge tables by signature (lazy mode); eager mode
             computes one table per graph edge.
+        recompute: activation checkpointing's recomputation
+            (:meth:`pipeline.memory.StepGraph.recomputed_nodes` / ``recomputed_edges``):
+            bool ``[num_nodes]`` and ``[num_edges]``; a recomputed node's compute and a
+            recomputed edge's redistribution are paid twice (forward, then again before
+            the layer's backward). None: nothing is recomputed.
     """
 
-    def __init__(self, topology: TopologyTables, hw: Any, memoise: bool):
+    def __init__(self, topology: TopologyTables, hw: Any, memoise: bool,
+                 recompute: tuple[np.ndarray, np.ndarray] | None = None):
         self.topology = topology
         self.hw = hw
         self.memoise = memoise
@@ -144,6 +155,15 @@ class CostModel:
         e = topology.edges
         self.edges = list(zip(e["producer"], e["element"], e["consumer"], e["arg"]))
         self._edge_cls: np.ndarray | None = None
+        if recompute is None:
+            self.node_times = np.ones(self.num_nodes, dtype=np.int64)
+            self.edge_times = np.ones(len(self.edges), dtype=np.int64)
+        else:
+            self.node_times = 1 + np.asarray(recompute[0], dtype=np.int64)
+            self.edge_times = 1 + np.asarray(recompute[1], dtype=np.int64)
+            if self.node_times.shape != (self.num_nodes,) or self.edge_times.shape != (
+                    len(self.edges),):
+                raise ValueError("recompute masks do not match the topology's nodes / edges")
 
     # -- classes ----------------------------------------------------------------------------
 
@@ -172,7 +192,8 @@ class CostModel:
     # -- unary ------------------------------------------------------------------------------
 
     def unary(self, node: int) -> np.ndarray:
-        """Compute cost ``U_v`` (µs) per strategy of ``node``, float64 [K]."""
+        """Compute cost ``U_v`` (µs) per strategy of ``node``, float64 [K]; a node that
+        activation checkpointing recomputes runs twice (``node_times``)."""
         hit = self._unary_of[node]
         if hit is not None:
             return hit
@@ -186,10 +207,16 @@ class CostModel:
                         _REF_RE.sub('{"node": 0}', self.kwargs[node]),
                         self._in_metas_text[node], self._out_metas_text[node],
                         str(self.slist[node])))
+        times = int(self.node_times[node])
         hit = self._unary_memo.get(key)
         if hit is None:
             hit = self._unary_memo[key] = self._unary_uncached(node)
             self.stats.unary_vectors += 1
+        if times != 1:
+            once = hit
+            hit = self._unary_memo.get(f"{key}|x{times}")
+            if hit is None:
+                hit = self._unary_memo[f"{key}|x{times}"] = once * times
         self._unary_of[node] = hit
         return hit
 
@@ -252,14 +279,16 @@ class CostModel:
     def _edge_key(self, e: int) -> tuple:
         u, element, v, a = self.edges[e]
         meta = self.in_metas[v][a]
-        return (tuple(meta["shape"]), meta["dtype"], self.slist[u], element, self.slist[v], a)
+        return (tuple(meta["shape"]), meta["dtype"], self.slist[u], element, self.slist[v], a,
+                int(self.edge_times[e]))
 
     def edge_classes(self) -> np.ndarray:
         """Class id per graph edge, int64 ``[E]``, numbered by first occurrence.
 
         Two edges are in one class when they carry a tensor of the same shape and
         dtype between the same producer strategy list and output element and the same
-        consumer strategy list and argument (the copies of a repeated layer): then
+        consumer strategy list and argument, and are paid the same number of times
+        (``edge_times``; the copies of a repeated layer): then
         :meth:`edge_table` gives them equal ``(row_cls, col_cls, table)``.
         """
         if self._edge_cls is None:
@@ -270,7 +299,8 @@ class CostModel:
         return self._edge_cls
 
     def edge_table(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(row_cls [K_u], col_cls [K_v], table [R, C])`` of graph edge ``e`` (µs)."""
+        """``(row_cls [K_u], col_cls [K_v], table [R, C])`` of graph edge ``e`` (µs): the
+        redistribution times ``edge_times[e]``, plus the transition cost."""
         from pipeline.costmodel.redistribute import placements_differ, redistribute_table
 
         u, element, v, a = self.edges[e]
@@ -282,6 +312,9 @@ class CostModel:
         if table is None:
             table = redistribute_table(meta["shape"], itemsize(meta["dtype"]), srcs, dsts,
                                        self.mesh_shape, self.hw)
+            times = int(self.edge_times[e])
+            if times != 1:
+                table = table * times
             differ = placements_differ(srcs, dsts)
             table = table + np.where(differ, TRANSITION_COST, 0.0)
             self.stats.edge_tables += 1
@@ -456,6 +489,8 @@ class Costs:
         mrf: the complete MRF: group unaries, pairwise factors and constraint rows
             (the parameter-memory budget).
         budget: the budget's facts for the run record (None without a budget).
+        memory: the memory model of the plan (pipeline/memory/; None when not asked
+            for), with the device-memory limit.
         factor_provider: lazy costs: the provider that builds the factors on first
             use (and its cost model); None when the factors were read from
             ``factors.npz``.
@@ -469,6 +504,7 @@ class Costs:
     topology: TopologyTables
     hardware: Any
     record: dict[str, Any] = field(default_factory=dict)
+    memory: Any = None
 
     def cost_model(self) -> CostModel:
         """The cost model to explain a plan with (pipeline/breakdown.py): lazy, the one
@@ -476,7 +512,8 @@ class Costs:
         one over the same topology and hardware (same values)."""
         if self.factor_provider is not None:
             return self.factor_provider.cost_model
-        return CostModel(self.topology, self.hardware, memoise=True)
+        recompute = self.memory.recompute() if self.memory is not None else None
+        return CostModel(self.topology, self.hardware, memoise=True, recompute=recompute)
 
     def factor_counts(self) -> dict[str, int | None]:
         """Unary vectors, edge tables and group factors materialised, and their total:
@@ -494,17 +531,29 @@ class Costs:
 
 
 def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
-              param_memory: dict[str, Any] | None = None) -> Costs:
+              param_memory: dict[str, Any] | None = None, memory: Any = None,
+              device_memory: tuple[int | None, str | None] = (None, None)) -> Costs:
     """The complete group MRF of a topology; lazy leaves pairwise factors to first use.
 
     ``param_memory``: ``constraints.param_memory`` as plain data (``{low, high}``), or
-    None for no budget row.
+    None for no budget row. ``memory``: the
+    :class:`~pipeline.memory.MemoryOptions` of the step (None: no memory model, no
+    recomputation); ``device_memory``: ``(bytes, text)`` of
+    ``constraints.device_memory`` or ``(None, None)`` for no device-memory row.
 
     Raises:
-        PlanError: the pins leave the budget infeasible (before any factor is built).
+        PlanError: the pins leave the budget infeasible, or no allowed plan fits the
+            device memory (before any factor is built).
     """
-    cost_model = CostModel(topology, hw, memoise=lazy)
     groups = group_structure(topology)
+    model = None
+    if memory is not None:
+        from pipeline.memory import memory_model
+
+        model = memory_model(topology, groups.group_of, groups.domain, memory,
+                             device_memory[0], device_memory[1])
+    cost_model = CostModel(topology, hw, memoise=lazy,
+                           recompute=model.recompute() if model is not None else None)
     provider = FactorProvider(cost_model, groups)
     mrf = MRF(domain_sizes=groups.domain.copy(), unary=provider.unaries(),
               edges=groups.edges.copy(), factor=provider.factor)
@@ -516,9 +565,29 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
         if budget is not None and budget.constraint is not None:
             check_budget_feasible(budget, mrf.unary, pins)
             mrf.linear_constraints = [budget.constraint]
+    if model is not None and model.limit is not None:
+        from pipeline.memory.constraint import check_feasible, memory_row
+
+        coef = model.coef()
+        check_feasible(coef, allowed_unaries(mrf), model.limit, str(model.limit_text))
+        mrf.linear_constraints = [*mrf.linear_constraints, memory_row(coef, model.limit)]
     if not lazy:
         provider.materialise_all()
-    return Costs(mrf, budget, provider, topology, hw)
+    return Costs(mrf, budget, provider, topology, hw, memory=model)
+
+
+def allowed_unaries(mrf: MRF) -> list[np.ndarray]:
+    """The unaries with the labels an exactly tight row excludes set to +inf (the
+    default parameter budget allows only each parameter's most sharded placements):
+    finite entries are the labels a plan may use."""
+    from dataclasses import replace
+
+    from pipeline.solvers.lagrangian import tighten
+
+    out = replace(mrf, linear_constraints=[])
+    for row in mrf.linear_constraints:
+        out, _ = tighten(out, row)
+    return list(out.unary)
 
 
 def param_memory_config(cfg: Any) -> dict[str, Any] | None:
@@ -529,20 +598,34 @@ def param_memory_config(cfg: Any) -> dict[str, Any] | None:
     return None if pm is None else OmegaConf.to_container(pm, resolve=True)
 
 
+def memory_config(cfg: Any) -> dict[str, Any]:
+    """The memory keyword arguments of :func:`build_mrf` from a resolved config:
+    ``memory`` (optimizer, checkpointing, FSDP resharding) and ``device_memory``."""
+    from pipeline.memory import device_memory_of_config, options_of_config
+
+    return {"memory": options_of_config(cfg), "device_memory": device_memory_of_config(cfg)}
+
+
 def load_costs(cfg: Any, topology: TopologyTables, costs_dir: Path) -> Costs:
     """The costs of a run for the solve stage: eager, the MRF of ``factors.npz`` and the
     budget facts of ``costs.json``; lazy, :func:`build_mrf` (factors on first use)."""
     record = artifacts.read_json(COSTS, costs_dir)
     if bool(cfg.lazy_costs):
         costs = build_mrf(topology, cfg.hardware, lazy=True,
-                          param_memory=param_memory_config(cfg))
+                          param_memory=param_memory_config(cfg), **memory_config(cfg))
     else:
+        from pipeline.memory import memory_model
+
         mrf = load_factors(FACTORS.path(costs_dir))
         budget = None
         if record.get("param_memory") is not None:
             row = next((r for r in mrf.linear_constraints if r.name == "param_memory"), None)
             budget = ParamBudget.from_record(record["param_memory"], row)
-        costs = Costs(mrf, budget, None, topology, cfg.hardware)
+        groups = group_structure(topology)
+        mem = memory_config(cfg)
+        model = memory_model(topology, groups.group_of, groups.domain, mem["memory"],
+                             *mem["device_memory"])
+        costs = Costs(mrf, budget, None, topology, cfg.hardware, memory=model)
     costs.record = record
     return costs
 
@@ -559,7 +642,7 @@ def run_costs(cfg: Any, topology_dir: Path, out_dir: Path) -> None:
     if not lazy:
         start = time.perf_counter()
         costs = build_mrf(read_topology(Path(topology_dir)), hw, lazy=False,
-                          param_memory=param_memory_config(cfg))
+                          param_memory=param_memory_config(cfg), **memory_config(cfg))
         provider = costs.factor_provider
         pairwise = [costs.mrf.factor(e) for e in range(costs.mrf.num_edges)]  # built above
         save_factors(FACTORS.path(out_dir), costs.mrf, pairwise)

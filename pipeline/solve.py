@@ -82,8 +82,10 @@ def redistribution_table(run_id: str, rows: list[dict[str, Any]],
     placements (compact notation); ``collectives``, the DTensor redistribute steps
     that are collectives, in order, each as ``kind(mesh dim name)`` (e.g.
     ``reduce_scatter(dp)``; an empty list is a local slice or a layout change only);
-    ``bytes`` each device sends (alpha-beta ``S``, summed over steps); ``comm_us``
-    (the same number the solver used; ``inf`` for an illegal pair).
+    ``bytes`` each device sends (alpha-beta ``S``, summed over steps, one run);
+    ``times``, the runs per step (2 for a forward edge that activation checkpointing
+    recomputes, else 1); ``comm_us`` (every run: the same number the solver used; ``inf``
+    for an illegal pair).
     """
     def col(k: str) -> list[Any]:
         return [r[k] for r in rows]
@@ -102,20 +104,23 @@ def redistribution_table(run_id: str, rows: list[dict[str, Any]],
         "dst_placement": pa.array(col("dst_placement"), pa.string()),
         "collectives": pa.array(col("collectives"), pa.list_(pa.string())),
         "bytes": pa.array(col("bytes"), pa.int64()),
+        "times": pa.array(col("times"), pa.int32()),
         "comm_us": pa.array(col("comm_us"), pa.float64()),
     })
 
 
 def collective_summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Count, bytes and µs of the plan's collectives, keyed ``kind(mesh dim)``
-    (e.g. ``reduce_scatter(dp)``), summed per step of every redistribution."""
+    (e.g. ``reduce_scatter(dp)``), summed per step of every redistribution and run
+    (``times``: a recomputed edge runs its collectives twice)."""
     out: dict[str, dict[str, Any]] = {}
     for r in rows:
+        times = int(r.get("times", 1))
         for name, st in zip(r["collectives"], r["collective_steps"]):
             d = out.setdefault(name, {"count": 0, "bytes": 0, "us": 0.0})
-            d["count"] += 1
-            d["bytes"] += int(st.bytes)
-            d["us"] += float(st.us)
+            d["count"] += times
+            d["bytes"] += times * int(st.bytes)
+            d["us"] += times * float(st.us)
     return dict(sorted(out.items()))
 
 

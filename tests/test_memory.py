@@ -425,7 +425,7 @@ def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) 
     from pipeline.solvers.trws import solve_trws
 
     hw = load_hardware(str(Path(__file__).resolve().parents[1] / "conf/hardware/h100.yaml"))
-    mrf, _ = build_mrf(toy8, hw, lazy=True)
+    mrf = build_mrf(toy8, hw, lazy=True).mrf
     gs = group_structure(toy8)
     graph, opts = step_graph(toy8), MemoryOptions()
     terms = linear_terms(toy8, graph, opts)
@@ -453,3 +453,47 @@ def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) 
     assert exact.status == "Optimal"
     assert fit.result.lower_bound <= exact.objective + 1e-6
     assert exact.objective <= fit.result.objective + 1e-6
+
+
+def test_checkpointing_pays_the_recomputed_forward_again(toy8: TopologyTables) -> None:
+    """``full``: each repeated layer's forward ops (weight casts and gathers aside) and
+    the redistributions into them are paid twice; lazy and eager costs agree bit for
+    bit."""
+    from pipeline.breakdown import plan_breakdown
+    from pipeline.costmodel.hardware import load_hardware
+    from pipeline.costmodel.redistribute import redistribute_us
+    from pipeline.costs import build_mrf, group_structure, itemsize
+
+    hw = load_hardware(str(Path(__file__).resolve().parents[1] / "conf/hardware/h100.yaml"))
+    plain = build_mrf(toy8, hw, lazy=True, memory=MemoryOptions())
+    full = build_mrf(toy8, hw, lazy=True, memory=MemoryOptions(checkpointing="full"))
+    eager = build_mrf(toy8, hw, lazy=False, memory=MemoryOptions(checkpointing="full"))
+    gs = group_structure(toy8)
+    rng = np.random.default_rng(1)
+    graph = full.memory.graph
+    nodes, edges = graph.recomputed_nodes(), graph.recomputed_edges()
+    layers = set(graph.repeated_layers)
+    # Every forward op of a block but views of weights / casts is recomputed.
+    for v in np.flatnonzero(nodes):
+        assert toy8.nodes["layer"][v] in layers and toy8.nodes["phase"][v] == "fwd"
+    assert nodes.sum() > 100
+    for _ in range(3):
+        labels = np.array([rng.integers(k) for k in gs.domain])
+        strategy = labels[gs.group_of]
+        a = plan_breakdown(plain.cost_model(), strategy)
+        b = plan_breakdown(full.cost_model(), strategy)
+        assert np.array_equal(b.compute_us, a.compute_us * (1 + nodes))
+        expected_comm = a.comm_us.copy()
+        cm = plain.cost_model()
+        for k, (u, el, v, arg) in enumerate(graph.edges):
+            if edges[k]:
+                r, srcs = cm.out_classes(u, el)
+                c, dsts = cm.in_classes(v, arg)
+                meta = cm.in_metas[v][arg]
+                expected_comm[v] += redistribute_us(
+                    meta["shape"], itemsize(meta["dtype"]), srcs[r[strategy[u]]],
+                    dsts[c[strategy[v]]], cm.mesh_shape, hw)
+        assert b.comm_us == pytest.approx(expected_comm, rel=1e-12)
+        assert full.mrf.evaluate(labels) == eager.mrf.evaluate(labels)
+        assert full.mrf.evaluate(labels) == pytest.approx(
+            b.compute_us.sum() + b.comm_us.sum() + b.transition_us.sum(), rel=1e-12)

@@ -43,13 +43,16 @@ here 4 + 4 + 8 with float32 master parameters and gradients), Korthikanti et al.
 
 from pipeline.memory.graph import ATTENTION_OPS, MATMUL_OPS, StepGraph, step_graph
 from pipeline.memory.liveness import WALK_KINDS, Liveness, walk
+from pipeline.memory.model import MemoryModel, memory_model
 from pipeline.memory.options import (
     CHECKPOINTING,
     OPTIMIZERS,
     MemoryOptions,
+    device_memory_of_config,
     format_bytes,
     memory_options,
     optimizer_state_per_element,
+    options_of_config,
     parse_bytes,
 )
 from pipeline.memory.terms import KINDS, LinearTerms, SlotBytes, linear_terms
@@ -63,13 +66,17 @@ __all__ = [
     "WALK_KINDS",
     "LinearTerms",
     "Liveness",
+    "MemoryModel",
     "MemoryOptions",
     "SlotBytes",
     "StepGraph",
+    "device_memory_of_config",
     "format_bytes",
     "linear_terms",
+    "memory_model",
     "memory_options",
     "optimizer_state_per_element",
+    "options_of_config",
     "parse_bytes",
     "step_graph",
     "walk",

@@ -134,3 +134,31 @@ def format_bytes(nbytes: float) -> str:
             return f"{value:.2f} {unit}" if unit != "B" else f"{int(value)} B"
         value /= 1024
     return f"{value:.2f} TiB"  # pragma: no cover
+
+
+def options_of_config(cfg: Any) -> MemoryOptions:
+    """:class:`MemoryOptions` of a resolved run config (``optimizer``, ``memory``,
+    ``fsdp``; missing groups take their defaults)."""
+    def plain(node: Any) -> Any:
+        if node is None:
+            return None
+        try:
+            from omegaconf import OmegaConf
+
+            return OmegaConf.to_container(node, resolve=True)
+        except ValueError:
+            return dict(node)
+
+    get = cfg.get if hasattr(cfg, "get") else (lambda k, d=None: getattr(cfg, k, d))
+    return memory_options(plain(get("optimizer", None)), plain(get("memory", None)),
+                          plain(get("fsdp", None)))
+
+
+def device_memory_of_config(cfg: Any) -> tuple[int | None, str | None]:
+    """``constraints.device_memory`` of a run config: ``(bytes, text as given)`` or
+    ``(None, None)`` when unset. Raises ValueError for a bad value (one line)."""
+    constraints = cfg.get("constraints", None) if hasattr(cfg, "get") else None
+    value = constraints.get("device_memory", None) if constraints is not None else None
+    if value is None:
+        return None, None
+    return parse_bytes(value), str(value)
