@@ -224,6 +224,36 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
     return result, presolve
 
 
+def _solve_fitting(cfg: Any, costs: Costs, out_dir: Path) -> tuple[Any, Any, Any]:
+    """:func:`_solve`, and with ``constraints.device_memory`` the fit loop of
+    pipeline/memory/constraint.py: solve with the device-memory row, walk the plan,
+    lower the row by the peak's excess until the plan fits. Returns ``(result,
+    presolve, fit)`` with ``fit`` None without a limit (else its ``rows`` are the MRF's
+    rows of the last solve)."""
+    from pipeline.costs import allowed_unaries
+    from pipeline.memory.constraint import ROW_NAME, fit_plan
+
+    mrf, provider, model = costs.mrf, costs.factor_provider, costs.memory
+    row = next((r for r in mrf.linear_constraints if r.name == ROW_NAME), None)
+    if model is None or model.limit is None or row is None:
+        result, presolve = _solve(cfg, mrf, out_dir, provider)
+        return result, presolve, None
+    others = [r for r in mrf.linear_constraints if r.name != ROW_NAME]
+    presolves: list[Any] = []
+
+    def solve(rows: list[Any]) -> Any:
+        res, pre = _solve(cfg, dataclasses.replace(mrf, linear_constraints=others + rows),
+                          out_dir, provider)
+        presolves.append(pre)
+        return res
+
+    allowed = allowed_unaries(dataclasses.replace(mrf, linear_constraints=others))
+    fit = fit_plan(solve, model.walk_labels, row.coef, float(model.limit), allowed,
+                   str(model.limit_text))
+    fit.rows = others + [fit.row]
+    return fit.result, presolves[-1], fit
+
+
 def _upstream_records(dirs: Any, topology: TopologyTables, costs: Costs
                       ) -> list[dict[str, Any]]:
     """The records of the trace, topology and costs stages, each read once: the
@@ -266,7 +296,9 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     mrf, provider = costs.mrf, costs.factor_provider
     built_before = provider.factor_seconds if provider is not None else 0.0
     start = time.perf_counter()
-    result, presolve = _solve(cfg, mrf, out_dir, provider)
+    result, presolve, fit = _solve_fitting(cfg, costs, out_dir)
+    if fit is not None:
+        mrf = costs.mrf = dataclasses.replace(mrf, linear_constraints=fit.rows)
     solve_wall = time.perf_counter() - start
     # lazy costs: the factors built inside the solver are factor_build, not solve
     lazy_factor = (provider.factor_seconds - built_before) if provider is not None else 0.0
@@ -286,7 +318,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     upstream = _upstream_records(dirs, topology, costs)
     with timer.phase("report"):
         record, table, redist = _record(cfg, dirs, topology, costs, result, lp_bound, timer,
-                                        _upstream_seconds(upstream))
+                                        _upstream_seconds(upstream), fit)
         if presolve is not None:  # absent, not null: runs.parquet then has no null column
             record["presolve"] = presolve
         plan = plan_of_run(cfg, dirs, record, table, topology.nodes["fallback"])
@@ -308,8 +340,8 @@ def run_solve(cfg: Any, dirs: Any) -> None:
 
 
 def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result: Any,
-            lp_bound: float | None, timer: runtime.PhaseTimer, upstream: dict[str, float]
-            ) -> tuple[dict[str, Any], pa.Table, pa.Table]:
+            lp_bound: float | None, timer: runtime.PhaseTimer, upstream: dict[str, float],
+            fit: Any = None) -> tuple[dict[str, Any], pa.Table, pa.Table]:
     from pipeline.config import config_hash
     from pipeline.solvers.result import is_certified, relative_gap
     from pipeline.solvers.status import HEURISTIC, OPTIMAL
@@ -386,6 +418,19 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
     }
     if lp_bound is not None:
         record["lp_bound"] = float(lp_bound)
+    memory_cols: dict[str, Any] = {}
+    if costs.memory is not None:
+        from pipeline.memory.record import memory_columns, memory_record
+
+        model = costs.memory
+        live = fit.peak if fit is not None else model.walk(strategy)
+        record["memory"] = memory_record(model.graph, model.terms, live, strategy, list(names),
+                                         model.limit, fit.rounds if fit is not None else None)
+        memory_cols = memory_columns(model.terms, live, strategy, len(names))
+        if fit is not None and fit.row.high < float(model.limit):
+            record["lower_bound_problem"] = (
+                f"{BOUND_PROBLEM}, the device-memory row at {fit.row.high:.0f} B (lowered from "
+                f"the limit {float(model.limit):.0f} B to fit the liveness peak)")
     if budget is not None:
         from pipeline.budget import used_memory
 
@@ -411,5 +456,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
         "compute_us": parts.compute_us,
         "comm_us": parts.comm_us,
         "transition_us": parts.transition_us,
+        **{k: (pa.array(v, pa.string()) if k == "memory_kind" else v)
+           for k, v in memory_cols.items()},
     })
     return record, table, redistribution_table(run_id, parts.redistributions, list(names))

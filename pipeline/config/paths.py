@@ -27,10 +27,12 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
     "topology": ("pipeline/topology.py", "pipeline/topology/**/*.py", "pipeline/ir.py",
                  "pipeline/placements.py", "pipeline/artifacts.py"),
     "costs": ("pipeline/costs.py", "pipeline/ir.py", "pipeline/costmodel/**/*.py",
-              "pipeline/budget.py", "pipeline/artifacts.py"),
-    # breakdown.py is cost-model code run by solve (the record's cost parts)
+              "pipeline/budget.py", "pipeline/artifacts.py", "pipeline/memory/**/*.py"),
+    # breakdown.py is cost-model code run by solve (the record's cost parts); the memory
+    # model walks the plan
     "solve": ("pipeline/solve.py", "pipeline/solvers/**/*.py", "pipeline/breakdown.py",
-              "pipeline/artifacts.py", "pipeline/plan.py", "pipeline/costmodel/**/*.py"),
+              "pipeline/artifacts.py", "pipeline/plan.py", "pipeline/costmodel/**/*.py",
+              "pipeline/memory/**/*.py"),
     "report": ("pipeline/report.py", "pipeline/artifacts.py"),
     "paper": ("pipeline/paper.py", "pipeline/paper/**/*.py"),
     "verify": ("pipeline/verify.py", "pipeline/apply.py", "pipeline/apply/**/*.py",
@@ -49,24 +51,49 @@ def config_hash(obj: Any) -> str:
 
 #: Top-level keys each stage depends on, cumulatively: a stage's directory is keyed by a
 #: hash of exactly these (its artifacts: pipeline/artifacts.py).
+#: ``constraints.device_memory`` is a costs key (it shapes the MRF's rows, not the
+#: topology): it is left out of ``constraints`` and enters as ``device_memory`` at the
+#: costs level with the memory model's keys (``optimizer``, ``memory``, ``fsdp``).
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "trace": ("model",),
     "topology": ("model", "mesh", "mesh_names", "constraints", "repeated_layers"),
     "costs": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "hardware",
-              "lazy_costs"),
+              "lazy_costs", "optimizer", "memory", "fsdp", "device_memory"),
     "solve": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "hardware",
-              "lazy_costs", "solver", "optimality_check"),
+              "lazy_costs", "optimizer", "memory", "fsdp", "device_memory", "solver",
+              "optimality_check"),
     "report": ("results_dir",),
+}
+
+#: The memory model's keys enter a directory's hash only when they differ from these
+#: defaults, so runs that do not set them keep their directories.
+MEMORY_KEY_DEFAULTS: dict[str, Any] = {
+    "optimizer": {"name": "adamw", "momentum": 0.0, "state_dtype": "float32"},
+    "memory": {"activation_checkpointing": "none"},
+    "fsdp": {"reshard_after_forward": True},
+    "device_memory": None,
 }
 
 
 def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
-    """The part of a *resolved* config that ``stage`` depends on, as plain data."""
+    """The part of a *resolved* config that ``stage`` depends on, as plain data.
+
+    ``constraints`` leaves out ``device_memory`` (the costs key ``device_memory``); the
+    memory model's keys appear only when they differ from :data:`MEMORY_KEY_DEFAULTS`.
+    """
     if stage not in STAGE_KEYS:
         raise ValueError(f"stage={stage}: allowed {', '.join(STAGES)}")
-    return {k: OmegaConf.to_container(cfg[k], resolve=True)
-            if isinstance(cfg[k], (DictConfig, ListConfig)) else cfg[k]
-            for k in STAGE_KEYS[stage]}
+    out: dict[str, Any] = {}
+    for k in STAGE_KEYS[stage]:
+        value = cfg.constraints.get("device_memory") if k == "device_memory" else cfg[k]
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+        if k == "constraints":
+            value = {c: v for c, v in value.items() if c != "device_memory"}
+        if k in MEMORY_KEY_DEFAULTS and value == MEMORY_KEY_DEFAULTS[k]:
+            continue
+        out[k] = value
+    return out
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from omegaconf import MISSING
 from pipeline import models as model_families
 from pipeline import schema_types
 from pipeline.costmodel.hardware import HardwareConfig
+from pipeline.memory.options import FsdpConfig, MemoryConfig, OptimizerConfig
 from pipeline.models.custom import CustomModelConfig, InputSpec
 from pipeline.models.hf import HFModelConfig
 from pipeline.models.llama import ModelConfig
@@ -35,7 +36,7 @@ CONF_DIR: Path = PROJECT_ROOT / "conf"
 STAGES: tuple[str, ...] = ("trace", "topology", "costs", "solve", "report")
 
 #: Config groups (directories under ``conf/``).
-GROUPS: tuple[str, ...] = ("model", "hardware", "solver", "experiment")
+GROUPS: tuple[str, ...] = ("model", "hardware", "solver", "optimizer", "experiment")
 
 SOLVER_NAMES: tuple[str, ...] = ("approx", "ilp", "lp")
 DEFAULT_MESH_NAMES: dict[int, list[str]] = {1: ["dp"], 2: ["dp", "tp"], 3: ["dp", "cp", "tp"]}
@@ -113,6 +114,9 @@ class ConstraintsConfig:
         param_memory: parameter-memory budget per device, or ``None`` for none.
         fwd_bwd_consistency: tie a parameter (model input) and its gradient to one
             placement.
+        device_memory: bytes one device may hold (``80GiB``, ``80GB``, a byte count;
+            ``None``: no bound; pipeline/memory/constraint.py). A key of the costs stage
+            (the MRF's rows), not of the topology's.
     """
 
     inputs: str | None = None
@@ -120,6 +124,7 @@ class ConstraintsConfig:
     nodes: list[NodeConstraint] = field(default_factory=list)
     param_memory: ParamMemoryConfig | None = field(default_factory=ParamMemoryConfig)
     fwd_bwd_consistency: bool = True
+    device_memory: Any = None
 
 
 @dataclass
@@ -143,8 +148,11 @@ class Config:
     """The whole run configuration (``conf/config.yaml`` is merged onto this schema).
 
     Attributes:
-        model, hardware, solver: the selected options of the config groups.
+        model, hardware, solver, optimizer: the selected options of the config groups
+            (the optimizer only enters the memory model, pipeline/memory/).
         constraints: see :class:`ConstraintsConfig`.
+        memory, fsdp: activation checkpointing and FSDP resharding
+            (:class:`pipeline.memory.MemoryConfig`, :class:`pipeline.memory.FsdpConfig`).
         mesh: device mesh shape: ``"2,4,8"``, ``"2x4x8"``, ``8`` or a list; resolved
             to a list of ints.
         mesh_names: one name per mesh dim (``None``: dp / dp,tp / dp,cp,tp by rank).
@@ -163,7 +171,10 @@ class Config:
     model: Any = MISSING
     hardware: HardwareConfig = MISSING
     solver: SolverConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
     constraints: ConstraintsConfig = field(default_factory=ConstraintsConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     mesh: Any = "2,4,8"
     mesh_names: list[str] | None = None
     lazy_costs: bool | None = None

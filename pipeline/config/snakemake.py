@@ -37,6 +37,8 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
     """
     keys = dict(stage_keys(cfg, stage))
     keys["results_dir"] = cfg.results_dir
+    if "device_memory" in keys:  # the stage key's short name for the constraint
+        keys["constraints.device_memory"] = keys.pop("device_memory")
     out = []
     if "model" in keys:  # start from the family's own defaults (model=hf, model=custom)
         base = model_families.base_option(model_families.family_of(keys["model"]))
@@ -50,7 +52,7 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
 
 #: Snakemake ``--config`` keys and how each maps to Hydra.
 SNAKEMAKE_KEYS: tuple[str, ...] = ("model", "mesh", "mesh_names", "solver", "lazy_costs",
-                                   "hardware", "experiment", "repeated_layers",
+                                   "hardware", "optimizer", "experiment", "repeated_layers",
                                    "optimality_check", "results_dir", "revision_label",
                                    "overrides")
 
@@ -104,7 +106,7 @@ def overrides_from_snakemake(config: Mapping[str, Any],
                     raise ConfigError(f"overrides={text}: {err} (allowed: space-separated "
                                       "Hydra overrides, each quoted as a whole if needed)"
                                       ) from None
-        elif key in ("model", "solver", "hardware", "experiment"):
+        elif key in ("model", "solver", "hardware", "optimizer", "experiment"):
             out.append(f"{key}={override_value(value, quote='never')}")
         elif key == "mesh":
             if isinstance(value, (list, tuple)):

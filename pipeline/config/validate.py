@@ -26,6 +26,7 @@ from pipeline.config.schema import (
     allowed_text,
 )
 from pipeline.costmodel.hardware import validate_hardware
+from pipeline.memory.options import validate_memory_config
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -241,6 +242,10 @@ def resolve(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"lazy_costs=true: lazy costs need solver=approx "
                           f"(got solver={out.solver.name})")
     _check_constraints(out.constraints, mesh)
+    try:
+        validate_memory_config(out)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if not isinstance(out.results_dir, str) or not out.results_dir.strip():
         raise ConfigError(f"results_dir={_shown(out.results_dir)}: allowed a non-empty path")
     out.mesh = mesh

@@ -71,12 +71,15 @@ def check_feasible(coef: dict[int, np.ndarray], unary: list[np.ndarray], limit: 
 
 @dataclass
 class FitResult:
-    """The plan found under the limit and how it was found."""
+    """The plan found under the limit and how it was found: the solver's ``result``, the
+    memory ``row`` of the last solve, every solve's ``rounds``, the plan's liveness
+    ``peak`` and (set by the caller) all ``rows`` of the last solve."""
 
     result: Any
     row: LinearConstraint
     rounds: list[dict[str, float]] = field(default_factory=list)
     peak: Any = None
+    rows: list[LinearConstraint] = field(default_factory=list)
 
 
 def fit_plan(solve: Callable[[list[LinearConstraint]], Any],

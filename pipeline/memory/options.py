@@ -12,14 +12,62 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+# --------------------------------------------------------------------------- schema
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer whose state the devices hold (Hydra group ``optimizer/``).
+
+    Attributes:
+        name: ``adamw``, ``sgd`` or ``none`` (:data:`OPTIMIZERS`).
+        momentum: SGD momentum (>= 0); a momentum buffer is kept when > 0.
+        state_dtype: dtype of the state tensors (float32, bfloat16, float16).
+    """
+
+    name: str = "adamw"
+    momentum: float = 0.0
+    state_dtype: str = "float32"
+
+
+@dataclass
+class MemoryConfig:
+    """How the step trades memory for compute (``memory.*``).
+
+    Attributes:
+        activation_checkpointing: ``none``, ``full`` or ``selective``
+            (pipeline/memory/graph.py states the rules).
+    """
+
+    activation_checkpointing: str = "none"
+
+
+@dataclass
+class FsdpConfig:
+    """FSDP2 behaviour the memory model follows (``fsdp.*``).
+
+    Attributes:
+        reshard_after_forward: free a weight gathered for forward after its last forward
+            use and gather it again for backward (FSDP2's default), or keep it.
+    """
+
+    reshard_after_forward: bool = True
+
+
+_STATE_DTYPES = ("float32", "bfloat16", "float16")
+
 __all__ = [
     "CHECKPOINTING",
     "OPTIMIZERS",
+    "FsdpConfig",
+    "MemoryConfig",
     "MemoryOptions",
+    "OptimizerConfig",
     "format_bytes",
     "memory_options",
     "optimizer_state_per_element",
     "parse_bytes",
+    "validate_memory_config",
 ]
 
 #: ``memory.activation_checkpointing`` values (pipeline/memory/__init__.py states the rules).
@@ -75,6 +123,29 @@ class MemoryOptions:
                              f"allowed {', '.join(CHECKPOINTING)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer.name={self.optimizer!r}: allowed {', '.join(OPTIMIZERS)}")
+
+
+def validate_memory_config(cfg: Any) -> None:
+    """Check ``optimizer.*``, ``memory.*``, ``fsdp.*`` and ``constraints.device_memory`` of
+    a composed config; raise ValueError with a one-line message naming key, value and
+    what is allowed."""
+    opt = cfg.optimizer
+    if opt.name not in OPTIMIZERS:
+        raise ValueError(f"optimizer.name={opt.name}: allowed {', '.join(OPTIMIZERS)}")
+    momentum = opt.momentum
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (
+            math.isfinite(momentum) and momentum >= 0):
+        raise ValueError(f"optimizer.momentum={momentum}: allowed a number >= 0")
+    if opt.state_dtype not in _STATE_DTYPES:
+        raise ValueError(f"optimizer.state_dtype={opt.state_dtype}: allowed "
+                         f"{', '.join(_STATE_DTYPES)}")
+    mode = cfg.memory.activation_checkpointing
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"memory.activation_checkpointing={mode}: allowed "
+                         f"{', '.join(CHECKPOINTING)}")
+    limit = cfg.constraints.device_memory
+    if limit is not None:
+        parse_bytes(limit)
 
 
 def memory_options(optimizer: Any = None, memory: Any = None, fsdp: Any = None) -> MemoryOptions:
