@@ -116,15 +116,19 @@ class StageDirs:
 def stage_dirs(cfg: DictConfig) -> StageDirs:
     """Result directories of a *resolved* config (see the module docstring for the layout).
 
-    The hardware level is keyed by the topology keys plus ``hardware.*``; the cost mode
-    is the next level (``lazy``/``eager``), so the costs directory is keyed by both.
+    The hardware level is keyed by the topology keys plus ``hardware.*`` and the memory
+    model's keys that differ from their defaults (:data:`MEMORY_KEY_DEFAULTS`: they
+    shape the MRF); the cost mode is the next level (``lazy``/``eager``), so the costs
+    directory is keyed by both.
 
     Example: ``results/runs/llama1b-3f2a9c1e/2x4x8-71b0d2aa/h100-0c9e4f12/lazy/approx-5d1e8b03``.
     """
     root = Path(cfg.results_dir)
     trace = root / "runs" / f"{cfg.model.name}-{config_hash(stage_keys(cfg, 'trace'))}"
     topology = trace / f"{mesh_label(cfg.mesh)}-{config_hash(stage_keys(cfg, 'topology'))}"
-    hardware = {**stage_keys(cfg, "topology"), "hardware": stage_keys(cfg, "costs")["hardware"]}
+    costs_keys = stage_keys(cfg, "costs")
+    hardware = {**stage_keys(cfg, "topology"), "hardware": costs_keys["hardware"],
+                **{k: costs_keys[k] for k in MEMORY_KEY_DEFAULTS if k in costs_keys}}
     costs = (topology / f"{cfg.hardware.name}-{config_hash(hardware)}"
              / ("lazy" if cfg.lazy_costs else "eager"))
     solve = costs / f"{cfg.solver.name}-{config_hash(stage_keys(cfg, 'solve'))}"

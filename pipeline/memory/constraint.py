@@ -9,10 +9,14 @@ of :mod:`pipeline.memory.terms`:
 lower bound valid for the row), ``ilp`` / ``lp`` as a row of the program. The liveness
 peak (:mod:`pipeline.memory.liveness`) adds transients the row cannot see (redistributed
 inputs, re-gathered weights, recomputed values, the loss gradient), so the solve stage
-checks the plan after solving: while its peak exceeds the limit ``M`` it lowers the row
-by the excess and solves again, deterministically:
+checks the plan after solving: while its peak exceeds the limit ``M`` it asks for a plan
+whose linear memory is below the last plan's by that excess, deterministically:
 
-    H_0 = M,    H_{r+1} = H_r - (peak(x_r) - M)      while peak(x_r) > M, r < max_rounds
+    H_0 = M,    H_{r+1} = min(H_r, g(x_r)) - (peak(x_r) - M)
+                while peak(x_r) > M and r < max_rounds
+
+(``g(x_r)``: the last plan's row value; the cut excludes it and every plan using at
+least as much linear memory).
 
 The bound of the last solve is for the problem with the row at ``H_r`` (the record
 says which). A limit below the smallest linear memory any allowed plan reaches,
@@ -107,7 +111,7 @@ def fit_plan(solve: Callable[[list[LinearConstraint]], Any],
                        "objective": float(result.objective)})
         if live.peak_bytes <= limit:
             return FitResult(result, row, rounds, live)
-        high -= float(live.peak_bytes) - limit
+        high = min(high, linear) - (float(live.peak_bytes) - limit)
         if high < least:
             break
     last = rounds[-1]
