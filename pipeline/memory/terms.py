@@ -139,6 +139,7 @@ class LinearTerms:
 
     terms: dict[str, list[tuple[int, np.ndarray]]]
     options: MemoryOptions
+    #: per node with a term, the kinds of its terms joined by ``+``
     node_kind: dict[int, str] = field(default_factory=dict)
 
     def group_coef(self, group_of: np.ndarray, domain: np.ndarray) -> dict[int, np.ndarray]:
@@ -192,7 +193,7 @@ def linear_terms(tt: Any, graph: StepGraph, options: MemoryOptions,
             terms["parameters"].append((v, sizes.of_node(v)))
             if state:
                 terms["optimizer_state"].append((v, sizes.numel_of_node(v) * state))
-            node_kind[v] = "parameters"
+            node_kind[v] = "parameters+optimizer_state" if state else "parameters"
         elif target == "placeholder" and role in ("buffer", "input"):
             terms["buffers"].append((v, sizes.of_node(v)))
             node_kind[v] = "buffers"
