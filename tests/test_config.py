@@ -197,8 +197,8 @@ BAD_CASES = [
      "solver.max_iters=0: allowed an integer >= 1"),
     ("unknown-key", ["foo=1"], ["overrides=foo=1"],
      "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
-     "constraints, mesh, mesh_names, lazy_costs, repeated_layers, optimality_check, "
-     "results_dir, experiment, revision_label, paper"),
+     "optimizer, constraints, memory, fsdp, mesh, mesh_names, lazy_costs, repeated_layers, "
+     "optimality_check, results_dir, experiment, revision_label, paper"),
     ("bool-2", ["repeated_layers=2"], ["repeated_layers=2"],
      "repeated_layers=2: allowed true, false"),
 ]
