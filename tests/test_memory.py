@@ -80,21 +80,15 @@ def _gpu_like_cpu_ops() -> Iterator[None]:
     """Make eager CPU autograd take the ops the (meta) trace records, as on a GPU.
 
     The model calls ``aten._scaled_dot_product_flash_attention`` (CUDA and meta kernels
-    only): a CPU kernel through the CPU flash attention gives the same outputs
-    (out, logsumexp, philox seed / offset as with dropout 0). ``F.rms_norm`` reaches
-    the fused ``aten._fused_rms_norm`` on CUDA and meta but its composite on CPU (other
-    saved tensors): the model's call is routed to the fused op, with a CPU kernel.
-    Autograd then saves what the derivative formulas of those ops name, as on a GPU.
+    only): :func:`pipeline.cpu_kernels.cpu_kernels` gives it a CPU kernel with the same
+    outputs. ``F.rms_norm`` reaches the fused ``aten._fused_rms_norm`` on CUDA and meta
+    but its composite on CPU (which saves other tensors): the model's call is routed to
+    the fused op, with a CPU kernel. Autograd then saves what the derivative formulas of
+    those ops name, as on a GPU.
     """
     import torch.nn.functional as F
 
-    def flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
-              is_causal: bool = False, return_debug_mask: bool = False, *,
-              scale: float | None = None) -> tuple:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, is_causal, scale=scale)
-        return (out, lse, None, None, q.size(2), k.size(2), torch.zeros(2, dtype=torch.uint64),
-                torch.zeros((), dtype=torch.uint64), torch.empty(0, dtype=q.dtype))
+    from pipeline.cpu_kernels import cpu_kernels
 
     def fused_rms(x: torch.Tensor, shape: list[int], w: torch.Tensor | None,
                   eps: float | None) -> tuple:
@@ -106,11 +100,11 @@ def _gpu_like_cpu_ops() -> Iterator[None]:
     lib = torch.library.Library("aten", "IMPL")
     saved_rms_norm = F.rms_norm
     try:
-        lib.impl("_scaled_dot_product_flash_attention", flash, "CPU")
         lib.impl("_fused_rms_norm", fused_rms, "CPU")
         F.rms_norm = lambda x, shape, weight=None, eps=None: (  # type: ignore[assignment]
             torch.ops.aten._fused_rms_norm(x, list(shape), weight, eps)[0])
-        yield
+        with cpu_kernels():
+            yield
     finally:
         F.rms_norm = saved_rms_norm
         lib._destroy()
