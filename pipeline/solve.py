@@ -226,19 +226,19 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
 
 def _solve_fitting(cfg: Any, costs: Costs, out_dir: Path) -> tuple[Any, Any, Any]:
     """:func:`_solve`, and with ``constraints.device_memory`` the fit loop of
-    pipeline/memory/constraint.py: solve with the device-memory row, walk the plan,
-    lower the row by the peak's excess until the plan fits. Returns ``(result,
-    presolve, fit)`` with ``fit`` None without a limit (else its ``rows`` are the MRF's
-    rows of the last solve)."""
+    pipeline/memory/constraint.py: solve with the device-memory row, walk the plan, add
+    a cut for the moment of its peak until the plan fits. Returns ``(result, presolve,
+    fit)`` with ``fit`` None without a limit (else ``fit.rows`` are the memory rows of
+    the last solve)."""
     from pipeline.costs import allowed_unaries
-    from pipeline.memory.constraint import ROW_NAME, fit_plan
+    from pipeline.memory.constraint import fit_plan, is_memory_row
 
     mrf, provider, model = costs.mrf, costs.factor_provider, costs.memory
-    row = next((r for r in mrf.linear_constraints if r.name == ROW_NAME), None)
+    row = next((r for r in mrf.linear_constraints if is_memory_row(r)), None)
     if model is None or model.limit is None or row is None:
         result, presolve = _solve(cfg, mrf, out_dir, provider)
         return result, presolve, None
-    others = [r for r in mrf.linear_constraints if r.name != ROW_NAME]
+    others = [r for r in mrf.linear_constraints if not is_memory_row(r)]
     presolves: list[Any] = []
 
     def solve(rows: list[Any]) -> Any:
@@ -247,10 +247,11 @@ def _solve_fitting(cfg: Any, costs: Costs, out_dir: Path) -> tuple[Any, Any, Any
         presolves.append(pre)
         return res
 
+    names = costs.topology.nodes["name"]
     allowed = allowed_unaries(dataclasses.replace(mrf, linear_constraints=others))
-    fit = fit_plan(solve, model.walk_labels, row.coef, float(model.limit), allowed,
-                   str(model.limit_text))
-    fit.rows = others + [fit.row]
+    fit = fit_plan(solve, model.walk_labels, model.peak_coef, row.coef, float(model.limit),
+                   allowed, str(model.limit_text), node_name=names.__getitem__)
+    fit.rows = others + fit.rows
     return fit.result, presolves[-1], fit
 
 
@@ -427,10 +428,12 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
         record["memory"] = memory_record(model.graph, model.terms, live, strategy, list(names),
                                          model.limit, fit.rounds if fit is not None else None)
         memory_cols = memory_columns(model.terms, live, strategy, len(names))
-        if fit is not None and fit.row.high < float(model.limit):
+        cuts = [r.name.split("@", 1)[1] for r in (fit.rows if fit is not None else [])
+                if r.name.startswith("device_memory@")]
+        if cuts:
             record["lower_bound_problem"] = (
-                f"{BOUND_PROBLEM}, the device-memory row at {fit.row.high:.0f} B (lowered from "
-                f"the limit {float(model.limit):.0f} B to fit the liveness peak)")
+                f"{BOUND_PROBLEM}, with the memory live at {', '.join(cuts)} bounded by the "
+                "device-memory limit (the cuts the liveness check added)")
     if budget is not None:
         from pipeline.budget import used_memory
 

@@ -413,9 +413,10 @@ def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) 
 
     from pipeline.costmodel.hardware import load_hardware
     from pipeline.costs import build_mrf, group_structure
+    from pipeline.memory import memory_model
     from pipeline.memory.constraint import fit_plan
     from pipeline.solvers.ilp import solve_ilp
-    from pipeline.solvers.lagrangian import solve_with_row
+    from pipeline.solvers.lagrangian import solve_with_rows
     from pipeline.solvers.trws import solve_trws
 
     hw = load_hardware(str(Path(__file__).resolve().parents[1] / "conf/hardware/h100.yaml"))
@@ -431,19 +432,21 @@ def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) 
     params = [v for v, r in enumerate(toy8.nodes["role"]) if r == "param"]
     assert all(toy8.slist_outputs[toy8.nodes["slist"][v]][plan0[v]] == "R" for v in params)
 
-    def peak_of(labels: np.ndarray) -> Any:
-        return walk(toy8, graph, opts, np.asarray(labels)[gs.group_of])
-
-    fit = fit_plan(lambda rows: solve_with_row(mrf, rows[0], solve_trws), peak_of, coef,
-                   peak0 - 1, mrf.unary, f"{int(peak0 - 1)}")
+    model = memory_model(toy8, gs.group_of, gs.domain, opts)
+    fit = fit_plan(lambda rows: solve_with_rows(mrf, rows, solve_trws), model.walk_labels,
+                   model.peak_coef, coef, peak0 - 1, mrf.unary, f"{int(peak0 - 1)}")
     plan1 = np.asarray(fit.result.labels)[gs.group_of]
     assert (plan1 != plan0).any()
     assert fit.peak.peak_bytes <= peak0 - 1
     assert fit.result.objective >= free.objective
     assert any(toy8.slist_outputs[toy8.nodes["slist"][v]][plan1[v]] != "R" for v in params)
-    # The exact program with the same row: its optimum lies between TRW-S's bound and
+    # Every cut is the memory live at a node of a plan that exceeded the limit, as a row:
+    # the plan it was made from violates it, the final plan satisfies it.
+    for row in fit.rows:
+        assert sum(float(c[fit.result.labels[g]]) for g, c in row.coef.items()) <= peak0 - 1
+    # The exact program with the same rows: its optimum lies between TRW-S's bound and
     # TRW-S's plan.
-    exact = solve_ilp(replace(mrf, linear_constraints=[fit.row]), backend="highs")
+    exact = solve_ilp(replace(mrf, linear_constraints=fit.rows), backend="highs")
     assert exact.status == "Optimal"
     assert fit.result.lower_bound <= exact.objective + 1e-6
     assert exact.objective <= fit.result.objective + 1e-6
@@ -491,3 +494,23 @@ def test_checkpointing_pays_the_recomputed_forward_again(toy8: TopologyTables) -
         assert full.mrf.evaluate(labels) == eager.mrf.evaluate(labels)
         assert full.mrf.evaluate(labels) == pytest.approx(
             b.compute_us.sum() + b.comm_us.sum() + b.transition_us.sum(), rel=1e-12)
+
+
+def test_peak_row_prices_what_is_live_at_the_peak(toy8: TopologyTables) -> None:
+    """The cut of the liveness check, evaluated at the plan it was made from, is that
+    plan's peak (every live allocation, priced by its node's strategy)."""
+    from pipeline.costs import group_structure
+    from pipeline.memory import memory_model
+
+    gs = group_structure(toy8)
+    rng = np.random.default_rng(2)
+    for mode in ("none", "full"):
+        for reshard in (True, False):
+            model = memory_model(toy8, gs.group_of, gs.domain,
+                                 MemoryOptions(checkpointing=mode, reshard_after_forward=reshard))
+            for _ in range(3):
+                labels = np.array([rng.integers(k) for k in gs.domain])
+                live = model.walk_labels(labels)
+                coef = model.peak_coef(live)
+                value = sum(float(c[labels[g]]) for g, c in coef.items())
+                assert value == pytest.approx(live.peak_bytes, rel=1e-12)

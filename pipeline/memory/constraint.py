@@ -1,27 +1,28 @@
-"""``constraints.device_memory``: the memory row of the MRF and the check of a solved plan.
+"""``constraints.device_memory``: the memory rows of the MRF and the check of a solved plan.
 
-The row (built by the costs stage beside the parameter budget) bounds the linear model
-of :mod:`pipeline.memory.terms`:
+The first row (built by the costs stage beside the parameter budget) bounds the linear
+model of :mod:`pipeline.memory.terms`:
 
-    sum_g c_g(x_g) <= H,        c_g = sum of the memory terms of group g's nodes
+    sum_g c_g(x_g) <= M,        c_g = sum of the memory terms of group g's nodes
 
-``approx`` honours it by Lagrangian relaxation (pipeline/solvers/lagrangian.py, with a
-lower bound valid for the row), ``ilp`` / ``lp`` as a row of the program. The liveness
-peak (:mod:`pipeline.memory.liveness`) adds transients the row cannot see (redistributed
-inputs, re-gathered weights, recomputed values, the loss gradient), so the solve stage
-checks the plan after solving: while its peak exceeds the limit ``M`` it asks for a plan
-whose linear memory is below the last plan's by that excess, deterministically:
+``approx`` honours rows by Lagrangian relaxation (pipeline/solvers/lagrangian.py, with a
+lower bound valid for the rows), ``ilp`` / ``lp`` as rows of the program. The liveness
+peak (:mod:`pipeline.memory.liveness`) also holds transients the row cannot see
+(redistributed inputs, re-gathered weights, recomputed values, the loss gradient), so
+the solve stage checks the plan after solving and, while its peak exceeds ``M``, adds a
+cut for the moment of the peak and solves again (deterministic, at most
+``max_rounds`` solves): with ``t`` the node at which plan ``x_r`` peaks and ``A_t`` the
+allocations live there (each a function of one node's strategy,
+:attr:`~pipeline.memory.Liveness.peak_sources`),
 
-    H_0 = M,    H_{r+1} = min(H_r, g(x_r)) - (peak(x_r) - M)
-                while peak(x_r) > M and r < max_rounds
+    sum_{a in A_t} bytes_a(x_{node(a)}) <= M
 
-(``g(x_r)``: the last plan's row value; the cut excludes it and every plan using at
-least as much linear memory).
-
-The bound of the last solve is for the problem with the row at ``H_r`` (the record
-says which). A limit below the smallest linear memory any allowed plan reaches,
-``sum_g min_{k allowed} c_g(k)`` (exact: the row is separable), is infeasible before
-any solve.
+is the memory live at ``t`` as a linear function of the labels (with ``x_r``'s aliasing
+and lifetimes), which ``x_r`` violates. The bound of the last solve is for the problem
+with every row added (the record says which). A limit below the smallest linear memory
+any allowed plan reaches, ``sum_g min_{k allowed} c_g(k)`` (exact: the row is
+separable), is infeasible before any solve; so is a cut whose smallest value exceeds
+``M``.
 """
 
 from __future__ import annotations
@@ -37,20 +38,29 @@ from pipeline.errors import PlanError
 from pipeline.memory.options import format_bytes
 from pipeline.solvers.mrf import LinearConstraint
 
-__all__ = ["MAX_ROUNDS", "ROW_NAME", "FitResult", "fit_plan", "memory_row", "smallest_memory"]
+__all__ = ["MAX_ROUNDS", "ROW_NAME", "FitResult", "fit_plan", "is_memory_row", "memory_row",
+           "smallest_memory"]
 
 ROW_NAME = "device_memory"
 #: Solves at most (the first one included) while the peak exceeds the limit.
-MAX_ROUNDS = 4
+MAX_ROUNDS = 6
 
 
-def memory_row(coef: dict[int, np.ndarray], high: float) -> LinearConstraint:
-    """The device-memory row ``sum_g coef_g(x_g) <= high`` (bytes)."""
-    return LinearConstraint(name=ROW_NAME, coef=coef, low=-math.inf, high=float(high))
+def memory_row(coef: dict[int, np.ndarray], high: float, at: str | None = None
+               ) -> LinearConstraint:
+    """A device-memory row ``sum_g coef_g(x_g) <= high`` (bytes); ``at``: the node whose
+    live memory a cut bounds (its name becomes ``device_memory@<node>``)."""
+    name = ROW_NAME if at is None else f"{ROW_NAME}@{at}"
+    return LinearConstraint(name=name, coef=coef, low=-math.inf, high=float(high))
+
+
+def is_memory_row(row: LinearConstraint) -> bool:
+    """Whether a row is one of the device-memory rows."""
+    return row.name == ROW_NAME or row.name.startswith(ROW_NAME + "@")
 
 
 def smallest_memory(coef: dict[int, np.ndarray], unary: list[np.ndarray]) -> float:
-    """The smallest linear memory over the labels each group allows (finite unary)."""
+    """The smallest value of a row over the labels each group allows (finite unary)."""
     total = 0.0
     for g, c in sorted(coef.items()):
         ok = np.isfinite(unary[g])
@@ -75,49 +85,57 @@ def check_feasible(coef: dict[int, np.ndarray], unary: list[np.ndarray], limit: 
 
 @dataclass
 class FitResult:
-    """The plan found under the limit and how it was found: the solver's ``result``, the
-    memory ``row`` of the last solve, every solve's ``rounds``, the plan's liveness
-    ``peak`` and (set by the caller) all ``rows`` of the last solve."""
+    """The plan found under the limit and how it was found: the solver's ``result``,
+    the memory ``rows`` of the last solve (the linear row, then the cuts), every solve's
+    ``rounds`` and the plan's liveness ``peak``."""
 
     result: Any
-    row: LinearConstraint
-    rounds: list[dict[str, float]] = field(default_factory=list)
+    rows: list[LinearConstraint]
+    rounds: list[dict[str, Any]] = field(default_factory=list)
     peak: Any = None
-    rows: list[LinearConstraint] = field(default_factory=list)
 
 
 def fit_plan(solve: Callable[[list[LinearConstraint]], Any],
-             peak_of: Callable[[np.ndarray], Any], coef: dict[int, np.ndarray],
-             limit: float, unary: list[np.ndarray], limit_text: str,
+             peak_of: Callable[[np.ndarray], Any],
+             peak_coef: Callable[[Any], dict[int, np.ndarray]],
+             coef: dict[int, np.ndarray], limit: float, unary: list[np.ndarray],
+             limit_text: str, node_name: Callable[[int], str] = str,
              max_rounds: int = MAX_ROUNDS) -> FitResult:
-    """Solve with the memory row, check the liveness peak, lower the row until it fits.
+    """Solve with the memory row, check the liveness peak, cut until the plan fits.
 
-    ``solve(rows)`` solves the MRF with the given memory row list and returns a result
-    with ``labels``; ``peak_of(labels)`` returns a :class:`~pipeline.memory.Liveness`.
-    Raises PlanError when the lowered row becomes infeasible or no plan fits after
+    ``solve(rows)`` solves the MRF with the given memory rows and returns a result with
+    ``labels``; ``peak_of(labels)`` returns its :class:`~pipeline.memory.Liveness`,
+    ``peak_coef(liveness)`` the row of the memory live at its peak (module docstring).
+    Raises PlanError when a cut cannot be met by any allowed plan or no plan fits after
     ``max_rounds`` solves.
     """
     least = check_feasible(coef, unary, limit, limit_text)
-    high = float(limit)
-    rounds: list[dict[str, float]] = []
+    rows = [memory_row(coef, limit)]
+    rounds: list[dict[str, Any]] = []
     for _ in range(max_rounds):
-        row = memory_row(coef, high)
-        result = solve([row])
+        result = solve(list(rows))
         labels = np.asarray(result.labels, dtype=np.int64)
         linear = float(sum(float(c[labels[g]]) for g, c in sorted(coef.items())))
         live = peak_of(labels)
-        rounds.append({"row_high_bytes": high, "linear_bytes": linear,
-                       "peak_bytes": float(live.peak_bytes),
+        at = node_name(int(live.peak_node))
+        rounds.append({"rows": len(rows), "linear_bytes": linear,
+                       "peak_bytes": float(live.peak_bytes), "peak_node": at,
                        "objective": float(result.objective)})
         if live.peak_bytes <= limit:
-            return FitResult(result, row, rounds, live)
-        high = min(high, linear) - (float(live.peak_bytes) - limit)
-        if high < least:
-            break
+            return FitResult(result, rows, rounds, live)
+        cut = peak_coef(live)
+        floor = smallest_memory(cut, unary)
+        if floor > limit:
+            raise PlanError(
+                f"constraints.device_memory={limit_text}: infeasible, at {at} the smallest "
+                f"memory any plan reaches is {format_bytes(floor)} > {format_bytes(limit)} "
+                f"(the smallest linear memory is {format_bytes(least)}); raise the limit or "
+                "use memory.activation_checkpointing=full")
+        rows.append(memory_row(cut, limit, at))
     last = rounds[-1]
     raise PlanError(
-        f"constraints.device_memory={limit_text}: no plan found that fits, the best of "
-        f"{len(rounds)} solves peaks at {format_bytes(last['peak_bytes'])} > "
-        f"{format_bytes(limit)} (linear model {format_bytes(last['linear_bytes'])}, smallest "
-        f"reachable {format_bytes(least)}); raise the limit or use "
-        "memory.activation_checkpointing=full")
+        f"constraints.device_memory={limit_text}: no plan found that fits, the last of "
+        f"{len(rounds)} solves peaks at {format_bytes(last['peak_bytes'])} at "
+        f"{last['peak_node']} > {format_bytes(limit)} (linear model "
+        f"{format_bytes(last['linear_bytes'])}, smallest reachable {format_bytes(least)}); "
+        "raise the limit or use memory.activation_checkpointing=full")

@@ -39,7 +39,7 @@ intermediate buffers of multi-step redistributions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,6 +70,13 @@ class Liveness:
             total at the end of the step).
         boundary_bytes: live bytes after the last forward node (what forward leaves for
             backward).
+        peak_sources: what is live at the peak, one *source* per allocation: ``("out",
+            v, element)`` (output ``element`` of node v, or the gradient of sink v),
+            ``("in", v, arg)`` (argument ``arg`` of node v as v expects it: a
+            redistributed input) or ``("opt", v, 0)`` (the optimizer state of parameter
+            v). Each is a function of one node's strategy
+            (:meth:`pipeline.memory.SlotBytes.of_source`), so the memory live at the
+            peak's node is a linear row over the labels (pipeline/memory/constraint.py).
     """
 
     peak_bytes: float
@@ -77,6 +84,7 @@ class Liveness:
     peak_breakdown: dict[str, float]
     live_bytes: np.ndarray
     boundary_bytes: float
+    peak_sources: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray,
@@ -116,12 +124,14 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
     st_bytes: list[float] = []
     st_time: list[int] = []
     st_kind: list[str] = []
+    st_src: list[tuple[str, int, int]] = []
     st_of_slot = [-1] * len(graph.slot_node)
 
-    def new_storage(nbytes: float, time: int, kind: str) -> int:
+    def new_storage(nbytes: float, time: int, kind: str, src: tuple[str, int, int]) -> int:
         st_bytes.append(float(nbytes))
         st_time.append(time)
         st_kind.append(kind)
+        st_src.append(src)
         return len(st_bytes) - 1
 
     for s, (v, el) in enumerate(zip(graph.slot_node, graph.slot_element)):
@@ -133,13 +143,15 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
         if k >= 0:  # a view of a redistributed input owns the redistributed buffer
             meta = in_meta(v, edges[k][3])
             nbytes = sizes.bytes_of(meta["shape"], meta["dtype"], in_text(v, edges[k][3]))
+            src = ("in", v, int(edges[k][3]))
         else:
             nbytes = float(sizes.of_node(v, el)[strat[v]])
+            src = ("out", v, el)
         persistent = graph.target[v] == "placeholder" and graph.role[v] in (
             "param", "buffer", "input")
         kind = ("parameters" if graph.role[v] == "param" else "buffers") if persistent \
             else "transient"
-        st_of_slot[s] = new_storage(nbytes, -1 if persistent else v, kind)
+        st_of_slot[s] = new_storage(nbytes, -1 if persistent else v, kind, src)
     num_st = len(st_bytes)
     view_edges = {k for k in graph.alias_edge if k >= 0}
     last_fwd = [-1] * num_st
@@ -147,8 +159,8 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
     last_bwd = [-1] * num_st
     last_use = [-1] * num_st
     to_end = [False] * num_st
-    temps: list[tuple[int, float]] = []  # (node, bytes) of redistributed inputs
-    grads: list[tuple[int, float]] = []  # (time, bytes) of gradient buffers
+    temps: list[tuple[int, float, tuple]] = []  # (node, bytes, source): redistributed inputs
+    grads: list[tuple[int, float, tuple]] = []  # (time, bytes, source): gradient buffers
     for k, (u, el, v, a) in enumerate(edges):
         s = graph.slot(u, el) if graph.slots_of[u] else -1
         if s < 0:
@@ -159,14 +171,15 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
                 continue
             if redistributes[k]:
                 grads.append((st_time[st] if st_time[st] >= 0 else u,
-                              float(sizes.of_node(v)[strat[v]])))
+                              float(sizes.of_node(v)[strat[v]]), ("out", v, 0)))
             else:
                 to_end[st] = True
                 st_kind[st] = "gradients" if st_kind[st] == "transient" else st_kind[st]
             continue
         if redistributes[k] and k not in view_edges:
             meta = in_meta(v, a)
-            temps.append((v, sizes.bytes_of(meta["shape"], meta["dtype"], in_text(v, a))))
+            temps.append((v, sizes.bytes_of(meta["shape"], meta["dtype"], in_text(v, a)),
+                          ("in", v, int(a))))
         last_use[st] = max(last_use[st], v)
         if graph.phase[u] == "fwd" and graph.phase[v] == "bwd":
             first_bwd[st] = min(first_bwd[st], v)
@@ -177,8 +190,8 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
     root_of_storage: dict[int, int] = {}
     for s, st in enumerate(st_of_slot):
         root_of_storage.setdefault(st, graph.root[s])
-    regather: list[tuple[int, int, float]] = []  # (alloc time, free time, bytes)
-    recompute: list[tuple[int, int, float]] = []
+    regather: list[tuple[int, int, float, tuple]] = []  # (alloc, free time, bytes, source)
+    recompute: list[tuple[int, int, float, tuple]] = []
     for st in range(num_st):
         if last_bwd[st] < 0 or st_time[st] < 0:
             continue
@@ -186,7 +199,7 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
         r = root_of_storage[st]
         if graph.weight_derived[creator]:
             if options.reshard_after_forward:
-                regather.append((first_bwd[st], last_bwd[st], st_bytes[st]))
+                regather.append((first_bwd[st], last_bwd[st], st_bytes[st], st_src[st]))
                 last_use[st] = last_fwd[st]
             else:
                 st_kind[st] = "gathered_weights"
@@ -194,7 +207,7 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
         lay = graph.recomputed.get(r)
         if lay is not None:
             start = min(graph.layer_bwd_start.get(lay, first_bwd[st]), first_bwd[st])
-            recompute.append((start, last_bwd[st], st_bytes[st]))
+            recompute.append((start, last_bwd[st], st_bytes[st], st_src[st]))
             last_use[st] = last_fwd[st]
             continue
         if st_kind[st] == "transient":
@@ -213,34 +226,34 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
         if st_kind[st] == "transient":
             st_kind[st] = "saved_activations"
 
+    # Every allocation: (first node, last node it lives through, kind, bytes, source);
+    # persistent ones (parameters, buffers, inputs, optimizer state) from -1 to the end.
+    allocations: list[tuple[int, int, str, float, tuple[str, int, int]]] = []
+    for st in range(num_st):
+        t0 = st_time[st]
+        t1 = end if (to_end[st] or t0 < 0) else max(last_use[st], t0)
+        allocations.append((t0, t1, st_kind[st], st_bytes[st], st_src[st]))
+    allocations.extend((v, v, "transient", nbytes, src) for v, nbytes, src in temps)
+    allocations.extend((t, end, "gradients", nbytes, src) for t, nbytes, src in grads)
+    allocations.extend((t0, t1, "gathered_weights", nbytes, src)
+                       for t0, t1, nbytes, src in regather)
+    allocations.extend((t0, t1, "recomputed", nbytes, src) for t0, t1, nbytes, src in recompute)
+    state = options.state_tensors * options.state_itemsize
+    if state:
+        for v in range(num):
+            if graph.target[v] == "placeholder" and graph.role[v] == "param":
+                allocations.append((-1, end, "optimizer_state",
+                                    float(sizes.numel_of_node(v)[strat[v]]) * state,
+                                    ("opt", v, 0)))
     alloc = [np.zeros(len(WALK_KINDS)) for _ in range(end + 1)]
     free = [np.zeros(len(WALK_KINDS)) for _ in range(end + 1)]
     base = np.zeros(len(WALK_KINDS))
-    for st in range(num_st):
-        kind = _K[st_kind[st]]
-        if st_time[st] < 0:
-            base[kind] += st_bytes[st]
+    for t0, t1, kind, nbytes, _ in allocations:
+        if t0 < 0:
+            base[_K[kind]] += nbytes
             continue
-        t0 = st_time[st]
-        alloc[t0][kind] += st_bytes[st]
-        t1 = end if to_end[st] else max(last_use[st], t0)
-        free[t1][kind] += st_bytes[st]
-    for v, nbytes in temps:
-        alloc[v][_K["transient"]] += nbytes
-        free[v][_K["transient"]] += nbytes
-    for t, nbytes in grads:
-        alloc[t][_K["gradients"]] += nbytes
-        free[end][_K["gradients"]] += nbytes
-    for t0, t1, nbytes in regather:
-        alloc[t0][_K["gathered_weights"]] += nbytes
-        free[t1][_K["gathered_weights"]] += nbytes
-    for t0, t1, nbytes in recompute:
-        alloc[t0][_K["recomputed"]] += nbytes
-        free[t1][_K["recomputed"]] += nbytes
-    state = options.state_tensors * options.state_itemsize
-    for v in range(num):
-        if graph.target[v] == "placeholder" and graph.role[v] == "param" and state:
-            base[_K["optimizer_state"]] += float(sizes.numel_of_node(v)[strat[v]]) * state
+        alloc[t0][_K[kind]] += nbytes
+        free[t1][_K[kind]] += nbytes
     live = base.copy()
     peak, peak_node, peak_vec = -1.0, 0, live.copy()
     live_bytes = np.zeros(num)
@@ -256,6 +269,7 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
         live -= free[v]
         if v == last_fwd_node:
             boundary = float(live.sum())
+    sources = [src for t0, t1, _, _, src in allocations if t0 <= peak_node <= t1]
     return Liveness(peak_bytes=peak, peak_node=peak_node,
                     peak_breakdown={k: float(peak_vec[i]) for i, k in enumerate(WALK_KINDS)},
-                    live_bytes=live_bytes, boundary_bytes=boundary)
+                    live_bytes=live_bytes, boundary_bytes=boundary, peak_sources=sources)

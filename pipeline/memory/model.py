@@ -62,6 +62,21 @@ class MemoryModel:
         """The liveness walk of a plan given per group."""
         return self.walk(np.asarray(labels, dtype=np.int64)[self.group_of])
 
+    def peak_coef(self, live: Liveness) -> dict[int, np.ndarray]:
+        """The memory live at a walk's peak as a row over the groups (bytes per label):
+        each live allocation priced by the strategy of its node."""
+        state = self.options.state_tensors * self.options.state_itemsize
+        coef: dict[int, np.ndarray] = {}
+        for source in live.peak_sources:
+            g = int(self.group_of[source[1]])
+            c = self.sizes.of_source(source, state)
+            acc = coef.get(g)
+            if acc is None:
+                coef[g] = np.array(c, dtype=np.float64)
+            else:
+                acc += c
+        return dict(sorted(coef.items()))
+
 
 def memory_model(topology: Any, group_of: np.ndarray, domain: np.ndarray,
                  options: MemoryOptions, limit: float | None = None,

@@ -18,9 +18,9 @@ optimizer, optimizer_state_tensors, activation_checkpointing, reshard_after_forw
                            the options the model used
 limit_bytes, fits          ``constraints.device_memory`` and whether the peak is within it
                            (only with a limit)
-row_high_bytes, rounds     the row's bound in the last solve and every solve's
-                           ``{row_high_bytes, linear_bytes, peak_bytes, objective}``
-                           (only with a limit)
+cuts, rounds               the nodes whose live memory the liveness check bounded
+                           (one row each) and every solve's ``{rows, linear_bytes,
+                           peak_bytes, peak_node, objective}`` (only with a limit)
 =========================  ===========================================================
 
 ``solution.parquet`` columns: ``memory_bytes`` (the node's linear term under its
@@ -67,7 +67,7 @@ def memory_record(graph: StepGraph, terms: LinearTerms, live: Liveness, strategy
         out["limit_bytes"] = float(limit)
         out["fits"] = bool(live.peak_bytes <= limit)
         if rounds:
-            out["row_high_bytes"] = float(rounds[-1]["row_high_bytes"])
+            out["cuts"] = [r["peak_node"] for r in rounds[:-1]]
             out["rounds"] = [dict(r) for r in rounds]
     return out
 

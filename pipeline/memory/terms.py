@@ -127,6 +127,37 @@ class SlotBytes:
         meta = self.out_meta(node, -1)
         return self.of_node(node) / _itemsize(meta["dtype"])
 
+    def of_input(self, node: int, arg: int) -> np.ndarray:
+        """Local bytes of tensor argument ``arg`` of ``node`` as each strategy of the
+        node expects it (the redistributed input), float64 over its strategies."""
+        text = self.tt.nodes["in_metas"][node]
+        metas = self._metas.get(text)
+        if metas is None:
+            metas = self._metas[text] = json.loads(text)
+        meta = metas[arg]
+        s = int(self.slist[node])
+        key = ("in", s, arg, tuple(meta["shape"]), meta["dtype"])
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = np.array([self.bytes_of(meta["shape"], meta["dtype"], ins[arg])
+                            for ins in self.tt.slist_inputs[s]], dtype=np.float64)
+            hit.setflags(write=False)
+            self._memo[key] = hit
+        return hit
+
+    def of_source(self, source: tuple[str, int, int], state_bytes: int = 0) -> np.ndarray:
+        """Bytes over the strategies of its node of an allocation source of the liveness
+        walk (:attr:`pipeline.memory.Liveness.peak_sources`); ``state_bytes``: optimizer
+        state bytes per parameter element."""
+        kind, node, index = source
+        if kind == "out":
+            return self.of_node(node, index)
+        if kind == "in":
+            return self.of_input(node, index)
+        if kind == "opt":
+            return self.numel_of_node(node) * state_bytes
+        raise ValueError(f"unknown allocation source {source!r}")
+
 
 @dataclass
 class LinearTerms:
