@@ -78,7 +78,8 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
     # (edge class, src class, dst class) -> (µs, differ, row fields of a redistribution)
     memo: dict[tuple[int, int, int], tuple[float, bool, dict[str, Any] | None]] = {}
     times_of = cost_model.edge_times.tolist()
-    for (u, element, v, a), ec, times in zip(cost_model.edges, classes, times_of):
+    for e, ((u, element, v, a), ec, times) in enumerate(
+            zip(cost_model.edges, classes, times_of)):
         r, srcs = cost_model.out_classes(u, element)
         c, dsts = cost_model.in_classes(v, a)
         i, j = int(r[strat[u]]), int(c[strat[v]])
@@ -86,8 +87,11 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
         if hit is None:
             src, dst = srcs[i], dsts[j]
             meta = cost_model.in_metas[v][a]
+            reduce_size, latency_scale = cost_model.edge_collective_policy(e)
             steps = redistribute_steps(meta["shape"], itemsize(meta["dtype"]), src, dst,
-                                       cost_model.mesh_shape, cost_model.hw)
+                                       cost_model.mesh_shape, cost_model.hw,
+                                       reduce_itemsize=reduce_size,
+                                       latency_scale=latency_scale)
             us = math.inf if steps is None else 0.0
             for st in steps or ():
                 us += st.us
@@ -98,6 +102,7 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
                 coll = [st for st in steps or () if st.kind in collectives]
                 fields = {
                     "shape": [int(x) for x in meta["shape"]], "dtype": str(meta["dtype"]),
+                    "reduce_dtype": _reduce_dtype(steps, str(meta["dtype"]), reduce_size),
                     "src_placement": format_placements(src),
                     "dst_placement": format_placements(dst),
                     "collectives": [f"{st.kind}({names[st.mesh_dim]})" for st in coll],
@@ -112,3 +117,19 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
             rows.append({"producer": int(u), "element": int(element), "consumer": int(v),
                          "arg": int(a), **fields})
     return PlanBreakdown(compute, comm, trans, rows)
+
+
+_DTYPE_OF_ITEMSIZE = {8: "float64", 4: "float32", 2: "bfloat16"}
+
+
+def _reduce_dtype(steps: Any, dtype: str, reduce_itemsize: int) -> str | None:
+    """The dtype a redistribution's reductions (reduce-scatter, all-reduce) run in: the
+    gradient's reduce dtype when the collective policy upcasts it
+    (pipeline/costmodel/fsdp.py), else the tensor's; None when it has no reduction."""
+    if not any(st.kind in ("reduce_scatter", "all_reduce") for st in steps or ()):
+        return None
+    from pipeline.costs import itemsize
+
+    if reduce_itemsize > itemsize(dtype):
+        return _DTYPE_OF_ITEMSIZE.get(reduce_itemsize, dtype)
+    return dtype

@@ -125,10 +125,14 @@ class CostModel:
             bool ``[num_nodes]`` and ``[num_edges]``; a recomputed node's compute and a
             recomputed edge's redistribution are paid twice (forward, then again before
             the layer's backward). None: nothing is recomputed.
+        collectives: FSDP2's collective semantics
+            (:class:`pipeline.costmodel.fsdp.CollectiveOptions`: buckets, re-gather,
+            reduce dtype); None: every collective as DTensor issues it alone.
     """
 
     def __init__(self, topology: TopologyTables, hw: Any, memoise: bool,
-                 recompute: tuple[np.ndarray, np.ndarray] | None = None):
+                 recompute: tuple[np.ndarray, np.ndarray] | None = None,
+                 collectives: Any = None):
         self.topology = topology
         self.hw = hw
         self.memoise = memoise
@@ -164,6 +168,16 @@ class CostModel:
             if self.node_times.shape != (self.num_nodes,) or self.edge_times.shape != (
                     len(self.edges),):
                 raise ValueError("recompute masks do not match the topology's nodes / edges")
+        self.policy = None
+        if collectives is not None:
+            from pipeline.costmodel.fsdp import edge_policy
+            from pipeline.memory.graph import step_graph
+
+            self.policy = edge_policy(topology, step_graph(topology), collectives,
+                                      self.in_metas)
+            # a re-gathered weight edge is paid twice; recomputation reads that copy
+            self.edge_times = np.maximum(self.edge_times,
+                                         1 + self.policy.regather.astype(np.int64))
 
     # -- classes ----------------------------------------------------------------------------
 
@@ -280,15 +294,21 @@ class CostModel:
         u, element, v, a = self.edges[e]
         meta = self.in_metas[v][a]
         return (tuple(meta["shape"]), meta["dtype"], self.slist[u], element, self.slist[v], a,
-                int(self.edge_times[e]))
+                int(self.edge_times[e]), self.edge_collective_policy(e))
+
+    def edge_collective_policy(self, e: int) -> tuple[int, float]:
+        """``(reduce_itemsize, latency_scale)`` of edge ``e``'s collectives
+        (:mod:`pipeline.costmodel.fsdp`; ``(0, 1.0)``: as DTensor issues them)."""
+        return (0, 1.0) if self.policy is None else self.policy.of(e)
 
     def edge_classes(self) -> np.ndarray:
         """Class id per graph edge, int64 ``[E]``, numbered by first occurrence.
 
         Two edges are in one class when they carry a tensor of the same shape and
         dtype between the same producer strategy list and output element and the same
-        consumer strategy list and argument, and are paid the same number of times
-        (``edge_times``; the copies of a repeated layer): then
+        consumer strategy list and argument, are paid the same number of times
+        (``edge_times``) and under the same collective policy (reduce dtype, bucket
+        latency share; the copies of a repeated layer agree on all of these): then
         :meth:`edge_table` gives them equal ``(row_cls, col_cls, table)``.
         """
         if self._edge_cls is None:
@@ -310,8 +330,11 @@ class CostModel:
         key = self._edge_key(e)
         table = self._table_memo.get(key) if self.memoise else None
         if table is None:
+            reduce_itemsize, latency_scale = self.edge_collective_policy(e)
             table = redistribute_table(meta["shape"], itemsize(meta["dtype"]), srcs, dsts,
-                                       self.mesh_shape, self.hw)
+                                       self.mesh_shape, self.hw,
+                                       reduce_itemsize=reduce_itemsize,
+                                       latency_scale=latency_scale)
             times = int(self.edge_times[e])
             if times != 1:
                 table = table * times
@@ -491,6 +514,8 @@ class Costs:
         budget: the budget's facts for the run record (None without a budget).
         memory: the memory model of the plan (pipeline/memory/; None when not asked
             for), with the device-memory limit.
+        collectives: FSDP2's collective semantics the costs follow
+            (:class:`pipeline.costmodel.fsdp.CollectiveOptions`; None: none).
         factor_provider: lazy costs: the provider that builds the factors on first
             use (and its cost model); None when the factors were read from
             ``factors.npz``.
@@ -505,6 +530,7 @@ class Costs:
     hardware: Any
     record: dict[str, Any] = field(default_factory=dict)
     memory: Any = None
+    collectives: Any = None
 
     def cost_model(self) -> CostModel:
         """The cost model to explain a plan with (pipeline/breakdown.py): lazy, the one
@@ -513,7 +539,8 @@ class Costs:
         if self.factor_provider is not None:
             return self.factor_provider.cost_model
         recompute = self.memory.recompute() if self.memory is not None else None
-        return CostModel(self.topology, self.hardware, memoise=True, recompute=recompute)
+        return CostModel(self.topology, self.hardware, memoise=True, recompute=recompute,
+                         collectives=self.collectives)
 
     def factor_counts(self) -> dict[str, int | None]:
         """Unary vectors, edge tables and group factors materialised, and their total:
@@ -532,7 +559,8 @@ class Costs:
 
 def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
               param_memory: dict[str, Any] | None = None, memory: Any = None,
-              device_memory: tuple[int | None, str | None] = (None, None)) -> Costs:
+              device_memory: tuple[int | None, str | None] = (None, None),
+              collectives: Any = None) -> Costs:
     """The complete group MRF of a topology; lazy leaves pairwise factors to first use.
 
     ``param_memory``: ``constraints.param_memory`` as plain data (``{low, high}``), or
@@ -540,6 +568,8 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
     :class:`~pipeline.memory.MemoryOptions` of the step (None: no memory model, no
     recomputation); ``device_memory``: ``(bytes, text)`` of
     ``constraints.device_memory`` or ``(None, None)`` for no device-memory row.
+    ``collectives``: the :class:`~pipeline.costmodel.fsdp.CollectiveOptions` (FSDP2
+    buckets, re-gather, reduce dtype), or None for DTensor's one collective per tensor.
 
     Raises:
         PlanError: the pins leave the budget infeasible, or no allowed plan fits the
@@ -553,7 +583,8 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
         model = memory_model(topology, groups.group_of, groups.domain, memory,
                              device_memory[0], device_memory[1])
     cost_model = CostModel(topology, hw, memoise=lazy,
-                           recompute=model.recompute() if model is not None else None)
+                           recompute=model.recompute() if model is not None else None,
+                           collectives=collectives)
     provider = FactorProvider(cost_model, groups)
     mrf = MRF(domain_sizes=groups.domain.copy(), unary=provider.unaries(),
               edges=groups.edges.copy(), factor=provider.factor)
@@ -573,7 +604,7 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
         mrf.linear_constraints = [*mrf.linear_constraints, memory_row(coef, model.limit)]
     if not lazy:
         provider.materialise_all()
-    return Costs(mrf, budget, provider, topology, hw, memory=model)
+    return Costs(mrf, budget, provider, topology, hw, memory=model, collectives=collectives)
 
 
 def allowed_unaries(mrf: MRF) -> list[np.ndarray]:
@@ -599,11 +630,14 @@ def param_memory_config(cfg: Any) -> dict[str, Any] | None:
 
 
 def memory_config(cfg: Any) -> dict[str, Any]:
-    """The memory keyword arguments of :func:`build_mrf` from a resolved config:
-    ``memory`` (optimizer, checkpointing, FSDP resharding) and ``device_memory``."""
+    """The step-model keyword arguments of :func:`build_mrf` from a resolved config:
+    ``memory`` (optimizer, checkpointing, FSDP resharding), ``device_memory`` and
+    ``collectives`` (FSDP2's buckets, re-gather and reduce dtype)."""
+    from pipeline.costmodel.fsdp import collective_options_of_config
     from pipeline.memory import device_memory_of_config, options_of_config
 
-    return {"memory": options_of_config(cfg), "device_memory": device_memory_of_config(cfg)}
+    return {"memory": options_of_config(cfg), "device_memory": device_memory_of_config(cfg),
+            "collectives": collective_options_of_config(cfg)}
 
 
 def load_costs(cfg: Any, topology: TopologyTables, costs_dir: Path) -> Costs:
@@ -625,7 +659,8 @@ def load_costs(cfg: Any, topology: TopologyTables, costs_dir: Path) -> Costs:
         mem = memory_config(cfg)
         model = memory_model(topology, groups.group_of, groups.domain, mem["memory"],
                              *mem["device_memory"])
-        costs = Costs(mrf, budget, None, topology, cfg.hardware, memory=model)
+        costs = Costs(mrf, budget, None, topology, cfg.hardware, memory=model,
+                      collectives=mem["collectives"])
     costs.record = record
     return costs
 

@@ -83,8 +83,11 @@ def redistribution_table(run_id: str, rows: list[dict[str, Any]],
     that are collectives, in order, each as ``kind(mesh dim name)`` (e.g.
     ``reduce_scatter(dp)``; an empty list is a local slice or a layout change only);
     ``bytes`` each device sends (alpha-beta ``S``, summed over steps, one run);
-    ``times``, the runs per step (2 for a forward edge that activation checkpointing
-    recomputes, else 1); ``comm_us`` (every run: the same number the solver used; ``inf``
+    ``reduce_dtype``, the dtype its reduce-scatters / all-reduces run in (a parameter
+    gradient's ``model.reduce_dtype`` under FSDP2's policy, pipeline/costmodel/fsdp.py;
+    null without a reduction); ``times``, the runs per step (2 for a forward edge that
+    activation checkpointing recomputes or a weight edge FSDP re-gathers for backward,
+    else 1); ``comm_us`` (every run: the same number the solver used; ``inf``
     for an illegal pair).
     """
     def col(k: str) -> list[Any]:
@@ -100,6 +103,7 @@ def redistribution_table(run_id: str, rows: list[dict[str, Any]],
         "arg": pa.array(col("arg"), pa.int32()),
         "shape": pa.array(col("shape"), pa.list_(pa.int64())),
         "dtype": pa.array(col("dtype"), pa.string()),
+        "reduce_dtype": pa.array(col("reduce_dtype"), pa.string()),
         "src_placement": pa.array(col("src_placement"), pa.string()),
         "dst_placement": pa.array(col("dst_placement"), pa.string()),
         "collectives": pa.array(col("collectives"), pa.list_(pa.string())),

@@ -70,7 +70,7 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
 MEMORY_KEY_DEFAULTS: dict[str, Any] = {
     "optimizer": {"name": "adamw", "momentum": 0.0, "state_dtype": "float32"},
     "memory": {"activation_checkpointing": "none"},
-    "fsdp": {"reshard_after_forward": True},
+    "fsdp": {"reshard_after_forward": True, "bucket_collectives": True},
     "device_memory": None,
 }
 

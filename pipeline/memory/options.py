@@ -48,10 +48,16 @@ class FsdpConfig:
 
     Attributes:
         reshard_after_forward: free a weight gathered for forward after its last forward
-            use and gather it again for backward (FSDP2's default), or keep it.
+            use and gather it again for backward (FSDP2's default), or keep it. The
+            cost model pays the second all-gather (pipeline/costmodel/fsdp.py).
+        bucket_collectives: the collectives of one FSDP unit's parameters (and their
+            gradients) of one kind on one mesh dim pay one latency, as FSDP2's one
+            all-gather / reduce-scatter per unit (pipeline/costmodel/fsdp.py); false:
+            one latency per parameter.
     """
 
     reshard_after_forward: bool = True
+    bucket_collectives: bool = True
 
 
 _STATE_DTYPES = ("float32", "bfloat16", "float16")

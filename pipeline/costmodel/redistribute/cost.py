@@ -69,12 +69,14 @@ def _checked_plan(
 
 
 def _costed(steps: tuple[Step, ...], shape: tuple[int, ...], itemsize: int,
-            mesh_shape: tuple[int, ...], hw: Any) -> tuple[list[Step], np.ndarray, np.ndarray]:
+            mesh_shape: tuple[int, ...], hw: Any, reduce_itemsize: int = 0,
+            latency_scale: float = 1.0) -> tuple[list[Step], np.ndarray, np.ndarray]:
     """The steps on mesh dims of size > 1, their µs and their collective bytes ``S``."""
     live = [st for st in steps if mesh_shape[st.mesh_dim] > 1]
     rows = [step_row(st, mesh_shape, len(shape)) for st in live]
-    params = CostParams.of(mesh_shape, hw, rows)
-    us, s_bytes = step_costs(StepRows.of(rows, len(shape)), shape, itemsize, params)
+    params = CostParams.of(mesh_shape, hw, rows, latency_scale=latency_scale)
+    us, s_bytes = step_costs(StepRows.of(rows, len(shape)), shape, itemsize, params,
+                             reduce_itemsize)
     return live, us, s_bytes
 
 
@@ -87,6 +89,8 @@ def redistribute_us(
     hw: Any,
     *,
     interner: PlacementInterner | None = None,
+    reduce_itemsize: int = 0,
+    latency_scale: float = 1.0,
 ) -> float:
     """Time in µs to redistribute a tensor from ``src`` to ``dst`` placements.
 
@@ -97,6 +101,11 @@ def redistribute_us(
         mesh_shape: the device mesh shape.
         hw: :class:`~pipeline.costmodel.hardware.HardwareConfig` (or DictConfig).
         interner: the caches to use (default :data:`~.interner.DEFAULT_INTERNER`).
+        reduce_itemsize: bytes per element the reductions (reduce-scatter, all-reduce)
+            run in when larger than ``itemsize``: a gradient reduced in its reduce dtype
+            (:func:`.steps.step_itemsize`); 0 for the tensor's own.
+        latency_scale: factor on every collective's latency, the member's share of its
+            bucket's latency (:mod:`pipeline.costmodel.fsdp`); 1.0 for none.
 
     Returns:
         0.0 if ``src == dst``; ``math.inf`` if DTensor forbids the redistribution;
@@ -114,7 +123,8 @@ def redistribute_us(
     if not steps:
         return 0.0
     total = 0.0
-    for us in _costed(steps, shape, int(itemsize), mesh_shape, hw)[1].tolist():
+    for us in _costed(steps, shape, int(itemsize), mesh_shape, hw, int(reduce_itemsize),
+                      float(latency_scale))[1].tolist():
         total += us
     return total
 
@@ -128,6 +138,8 @@ def redistribute_steps(
     hw: Any,
     *,
     interner: PlacementInterner | None = None,
+    reduce_itemsize: int = 0,
+    latency_scale: float = 1.0,
 ) -> list[StepCost] | None:
     """The steps of :func:`redistribute_us` with their kinds, bytes and µs.
 
@@ -143,6 +155,7 @@ def redistribute_steps(
     steps = _checked_plan(interner or DEFAULT_INTERNER, shape, itemsize, src, dst, mesh_shape)
     if steps is None:
         return None
-    live, us, s_bytes = _costed(steps, shape, int(itemsize), mesh_shape, hw)
+    live, us, s_bytes = _costed(steps, shape, int(itemsize), mesh_shape, hw,
+                                int(reduce_itemsize), float(latency_scale))
     return [StepCost(st.kind, st.mesh_dim, b, t)
             for st, b, t in zip(live, s_bytes.tolist(), us.tolist(), strict=True)]

@@ -88,7 +88,9 @@ __all__ = [
     "mixed_partials",
     "partial_key",
     "reshuffle_us",
+    "REDUCE_KINDS",
     "step_costs",
+    "step_itemsize",
     "step_row",
     "steps_from_transforms",
 ]
@@ -345,29 +347,52 @@ class CostParams:
 
     @classmethod
     def of(cls, mesh_shape: Sequence[int], hw: Any,
-           rows: Sequence[StepRow] | None = None) -> CostParams:
+           rows: Sequence[StepRow] | None = None, latency_scale: float = 1.0) -> CostParams:
         """Parameters of ``mesh_shape`` on hardware ``hw`` (HardwareConfig or DictConfig):
         all of them, or only those the steps ``rows`` use (see
-        :func:`~pipeline.costmodel.comm.mesh_collective_params`)."""
+        :func:`~pipeline.costmodel.comm.mesh_collective_params`).
+
+        ``latency_scale`` multiplies every collective's latency: the share of one bucket's
+        latency a member collective pays (:mod:`pipeline.costmodel.fsdp`); 1.0 leaves
+        the parameters unchanged, bit for bit."""
         used = None if rows is None else [
             (r.mesh_dim, r.kind) for r in rows if r.kind < N_COLLECTIVES]
-        return cls(mesh_collective_params(mesh_shape, hw, used),
-                   float(hw.hbm_bandwidth) * float(hw.memory_efficiency))
+        coll = mesh_collective_params(mesh_shape, hw, used)
+        if latency_scale != 1.0:
+            coll = MeshCollectiveParams(coll.group, coll.lat * float(latency_scale), coll.bw)
+        return cls(coll, float(hw.hbm_bandwidth) * float(hw.memory_efficiency))
 
     def key(self) -> tuple:
         """A hashable value identity (for caches keyed by the parameters)."""
         return (*self.collectives.key(), self.hbm)
 
 
+#: Step kinds that reduce (a Partial source): the collectives a gradient's reduce dtype
+#: applies to.
+REDUCE_KINDS: tuple[int, ...] = (KIND_CODE["reduce_scatter"], KIND_CODE["all_reduce"])
+
+
+def step_itemsize(kind: np.ndarray, itemsize: int, reduce_itemsize: int = 0) -> Any:
+    """Bytes per element of each step: ``max(itemsize, reduce_itemsize)`` for a
+    reduce-scatter or all-reduce when ``reduce_itemsize`` is set (a gradient upcast to its
+    reduce dtype before the reduction, as FSDP2's ``MixedPrecisionPolicy.reduce_dtype``
+    does), else ``itemsize`` (an int when nothing changes, else an int64 array)."""
+    if reduce_itemsize <= itemsize:
+        return int(itemsize)
+    return np.where(np.isin(kind, REDUCE_KINDS), int(reduce_itemsize), int(itemsize))
+
+
 def step_costs(rows: StepRows, shape: Sequence[int], itemsize: int,
-               params: CostParams) -> tuple[np.ndarray, np.ndarray]:
+               params: CostParams, reduce_itemsize: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``(µs, S bytes)`` of each step of ``rows`` for a tensor of ``shape``: collective
     (:func:`~pipeline.costmodel.comm.mesh_collectives_us` on :func:`collective_bytes`)
     plus local reshuffle (:func:`reshuffle_us`). Rows must be on mesh dims of size > 1
-    (a size-1 mesh dim is no step: callers drop it)."""
+    (a size-1 mesh dim is no step: callers drop it). ``reduce_itemsize``: the bytes per
+    element reductions run in (:func:`step_itemsize`; 0: the tensor's own)."""
     shape_arr = np.asarray(shape, dtype=np.int64)
-    g_bytes = np.prod(-(-shape_arr // rows.div_g), axis=1) * int(itemsize)
-    l_bytes = np.prod(-(-shape_arr // rows.div_l), axis=1) * int(itemsize)
+    size = step_itemsize(rows.kind, int(itemsize), int(reduce_itemsize))
+    g_bytes = np.prod(-(-shape_arr // rows.div_g), axis=1) * size
+    l_bytes = np.prod(-(-shape_arr // rows.div_l), axis=1) * size
     n = params.collectives.group[rows.mesh_dim]
     s_bytes = collective_bytes(rows.kind, n, g_bytes, l_bytes)
     is_coll = rows.kind < N_COLLECTIVES

@@ -378,10 +378,10 @@ class TableContext:
 
 
 def _step_costs(ctx: TableContext, shape: tuple[int, ...], itemsize: int,
-                params: CostParams) -> np.ndarray:
+                params: CostParams, reduce_itemsize: int = 0) -> np.ndarray:
     """Cost (µs) of every step of ``ctx`` for a tensor of ``shape``
     (:func:`.steps.step_costs`; the null step costs 0, the illegal one ``inf``)."""
-    cost = step_costs(ctx.step_arrays(), shape, itemsize, params)[0]
+    cost = step_costs(ctx.step_arrays(), shape, itemsize, params, reduce_itemsize)[0]
     cost[_NULL_STEP] = 0.0
     cost[_ILLEGAL_STEP] = np.inf
     return cost
@@ -396,6 +396,8 @@ def redistribute_table(
     hw: Any,
     *,
     interner: PlacementInterner | None = None,
+    reduce_itemsize: int = 0,
+    latency_scale: float = 1.0,
 ) -> np.ndarray:
     """All-pairs :func:`~.cost.redistribute_us`: ``out[i, j]`` = cost of
     ``srcs[i] -> dsts[j]``.
@@ -411,9 +413,11 @@ def redistribute_table(
         srcs: source placements (rows), each one per mesh dim.
         dsts: destination placements (columns).
         interner: the caches to use (default :data:`~.interner.DEFAULT_INTERNER`).
+        reduce_itemsize, latency_scale: the collective policy of the tensor
+            (:func:`~.cost.redistribute_us`).
 
     Returns:
-        float64 array ``[len(srcs), len(dsts)]`` in µs; ``inf`` where illegal, 0 where
+        float64 array ``[len(srcs), len(dsts)] in µs; ``inf`` where illegal, 0 where
         the placements are equal. A fresh array the caller may modify.
 
     Raises:
@@ -430,16 +434,18 @@ def redistribute_table(
     si = ctx.intern(srcs, "src")
     di = ctx.intern(dsts, "dst")
     rec = ctx.record_matrix(si, di, shape)
-    return _record_costs(ctx, shape, int(itemsize), hw)[rec]
+    return _record_costs(ctx, shape, int(itemsize), hw, int(reduce_itemsize),
+                         float(latency_scale))[rec]
 
 
-def _record_costs(ctx: TableContext, shape: tuple[int, ...], itemsize: int, hw: Any) -> np.ndarray:
+def _record_costs(ctx: TableContext, shape: tuple[int, ...], itemsize: int, hw: Any,
+                  reduce_itemsize: int = 0, latency_scale: float = 1.0) -> np.ndarray:
     """Cost (µs) of every record of ``ctx``: its steps' costs summed in plan order, one
     column at a time (null padding adds an exact 0.0), so each equals
     :func:`~.cost.redistribute_us`. Cached per (shape, itemsize, hardware); records
     added since are costed on the next call (a record's cost never changes)."""
-    params = CostParams.of(ctx.mesh_shape, hw)
-    key = (shape, itemsize, params.key())
+    params = CostParams.of(ctx.mesh_shape, hw, latency_scale=latency_scale)
+    key = (shape, itemsize, reduce_itemsize, params.key())
     records = ctx.record_array()
     n_steps = len(ctx.step_rows)
     hit = ctx.cost_cache.get(key)
@@ -448,7 +454,7 @@ def _record_costs(ctx: TableContext, shape: tuple[int, ...], itemsize: int, hw: 
     if hit is not None and hit[0] == n_steps:
         step_cost, old = hit[1], hit[2]
     else:
-        step_cost = _step_costs(ctx, shape, itemsize, params)
+        step_cost = _step_costs(ctx, shape, itemsize, params, reduce_itemsize)
         old = np.zeros(0) if hit is None else hit[2]
     new = records[len(old) :]
     cost = step_cost[new[:, 0]]
