@@ -99,7 +99,8 @@ _RELAY_OPS = {"aten.t.default", "aten.view.default", "aten._unsafe_view.default"
 
 def _gradient_collectives(tmp: Path, *overrides: str) -> dict[str, tuple[list[str], list]]:
     """Per parameter fqn: the collectives on the path from the op computing its
-    gradient to the gradient sink, and the (shape, dtype) of each reduced tensor."""
+    gradient to the gradient sink, and the (shape, reduce dtype, bytes) of each reduced
+    tensor."""
     cfg = load_resolved(["model=toy", f"results_dir={tmp}", *overrides])
     solve = Path(stage_dirs(cfg).solve)
     topo = Path(stage_dirs(cfg).topology)
@@ -115,7 +116,7 @@ def _gradient_collectives(tmp: Path, *overrides: str) -> dict[str, tuple[list[st
             r = by_edge.get((producer, node))
             if r is not None:
                 colls += list(r.collectives)
-                tensors.append((tuple(r.shape), r.dtype, r.bytes))
+                tensors.append((tuple(r.shape), r.reduce_dtype, r.bytes))
             node = producer
             if sol.loc[node, "op"] not in _RELAY_OPS:
                 break
@@ -129,8 +130,10 @@ def _numel(shape: tuple) -> int:
 
 @pytest.mark.toy_runs(*DP8_RUNS)
 def test_default_budget_is_fsdp_like(dp8: Path) -> None:
-    """Every weight is stored sharded on dp, all-gathered for use, and its gradient
-    reaches it through one reduce-scatter on dp (ZeRO-3 / FSDP)."""
+    """Every weight is stored sharded on dp, all-gathered for use (again for backward when
+    the backward reads it: FSDP2's reshard_after_forward), and its gradient reaches it
+    through one reduce-scatter on dp in float32, the model's reduce dtype (ZeRO-3 /
+    FSDP2 with MixedPrecisionPolicy(reduce_dtype=float32))."""
     rec, sol = _outputs(dp8, "mesh=8")
     grads = _gradient_collectives(dp8, "mesh=8")
     assert len(grads) == 21
@@ -138,14 +141,17 @@ def test_default_budget_is_fsdp_like(dp8: Path) -> None:
     for fqn, (colls, tensors) in grads.items():
         assert colls == ["reduce_scatter(dp)"], (fqn, colls)
         (shape, dtype, nbytes), = tensors
-        # reduce-scatter input: the full gradient, n * L = numel elements
-        assert nbytes == _numel(shape) * {"bfloat16": 2, "float32": 4}[dtype], (fqn, tensors)
+        # reduce-scatter input: the full gradient, n * L = numel elements, in float32
+        assert dtype == "float32", (fqn, tensors)
+        assert nbytes == _numel(shape) * 4, (fqn, tensors)
         reduced.append(_numel(shape))
     assert sorted(reduced) == sorted(TOY_PARAMS)
     coll = rec["collectives"]
-    # one all-gather per parameter (of its sharded storage), one reduce-scatter per
-    # gradient, and the two 0-d loss reductions (loss, total weight: 4 bytes each)
-    assert coll["all_gather(dp)"]["count"] == 21
+    # one all-gather per parameter (of its sharded storage) and one more for each of the
+    # 20 weights whose forward copy the backward reads (all but the embedding table,
+    # whose backward reads only the token ids), one reduce-scatter per gradient, and the
+    # two 0-d loss reductions (loss, total weight: 4 bytes each)
+    assert coll["all_gather(dp)"]["count"] == 21 + 20
     assert coll["reduce_scatter(dp)"]["count"] == 21
     assert coll["all_reduce(dp)"] == {"count": 2, "bytes": 8, "us": pytest.approx(62.0, abs=1e-3)}
     assert set(coll) == {"all_gather(dp)", "reduce_scatter(dp)", "all_reduce(dp)"}
@@ -160,7 +166,7 @@ def test_no_budget_is_ddp_like(dp8: Path) -> None:
     for fqn, (colls, tensors) in grads.items():
         assert colls == ["all_reduce(dp)"], (fqn, colls)
         (shape, dtype, nbytes), = tensors
-        assert nbytes == _numel(shape) * {"bfloat16": 2, "float32": 4}[dtype]
+        assert dtype == "float32" and nbytes == _numel(shape) * 4, (fqn, tensors)
         reduced.append(_numel(shape))
     assert sorted(reduced) == sorted(TOY_PARAMS)
     mm = sol[sol.op == "aten.mm.default"]

@@ -108,6 +108,19 @@ def test_units_and_edge_kinds(toy8: TopologyTables) -> None:
             assert policy.kind[e] == "gradient" and policy.unit[e] == units[param]
         if policy.kind[e] is None:
             assert policy.latency_scale[e] == 1.0 and policy.reduce_itemsize[e] == 0
+    # from each gradient sink back through the relays (cast, view, transpose, getitem) to
+    # the op computing the gradient (a matmul, the fused RMSNorm backward's second
+    # output, the embedding backward): every edge on the way is the parameter's
+    relays = {"aten.t.default", "aten.view.default", "aten._unsafe_view.default",
+              "aten._to_copy.default", "aten.transpose.int", "getitem", "output"}
+    sinks = [v for v in range(len(n["id"])) if n["role"][v] == "grad"]
+    assert len(sinks) == 21
+    for sink in sinks:
+        unit, v = units[_param(toy8, n["fqn"][sink])], sink
+        while n["target"][v] in relays:
+            (e,) = [k for k, (_, _, w, _) in enumerate(cm.edges) if w == v]
+            assert policy.kind[e] == "gradient" and policy.unit[e] == unit, (n["fqn"][sink], e)
+            v = cm.edges[e][0]
     # a backward edge carrying an activation gradient is not the parameter's
     assert any(k is None and n["phase"][u] == "bwd"
                for k, (u, _, _, _) in zip(policy.kind, cm.edges, strict=True))

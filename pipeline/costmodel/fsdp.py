@@ -19,8 +19,8 @@ things for the tensors it manages, the parameters and their gradients:
 
    Inside the MRF this is exact for the plans FSDP runs: every *weight edge* (an edge
    out of a parameter or out of a forward op computed from parameters only: the
-   compute-dtype cast, its transpose) and every *gradient edge* (an edge out of a
-   backward op whose outputs flow only into parameter gradients) of unit ``U`` pays
+   compute-dtype cast, its transpose) and every *gradient edge* (an edge carrying an
+   output of a backward op that flows only into parameter gradients) of unit ``U`` pays
    its collectives at latency ``lat / n_U``, ``n_U`` the number of parameters of ``U``.
    When the ``n_U`` members all issue the collective (FSDP's all-gather and
    reduce-scatter of a unit; Megatron TP's weights, which issue none) the bucket pays
@@ -180,10 +180,29 @@ def edge_policy(topology: Any, graph: Any, options: CollectiveOptions,
                 sink_unit[v] = unit
     grad_units = _gradient_units(graph, sink_unit)
 
+    # a gradient tensor is an output (u, element) of a backward op all of whose readers
+    # feed only parameter gradients (per element: a multi-output backward such as the
+    # fused RMSNorm backward returns the weight gradient beside the input gradient)
+    readers: dict[tuple[int, int], list[int]] = {}
+    for u, element, v, _ in graph.edges:
+        readers.setdefault((u, element), []).append(v)
+    slot_units: dict[tuple[int, int], set[str] | None] = {}
+    for (u, element), vs in readers.items():
+        if graph.phase[u] != "bwd" or graph.target[u] in ("placeholder", "output"):
+            slot_units[(u, element)] = None
+            continue
+        acc: set[str] = set()
+        for v in vs:
+            if grad_units[v] is None:
+                acc = set()
+                break
+            acc |= grad_units[v]
+        slot_units[(u, element)] = acc or None
+
     unit_of: list[str | None] = [None] * num_edges
     kind: list[str | None] = [None] * num_edges
     weight_units: dict[int, set[str]] = {}
-    for e, (u, _, _v, _) in enumerate(graph.edges):
+    for e, (u, element, _v, _) in enumerate(graph.edges):
         if u in units:
             unit_of[e], kind[e] = units[u], "weight"
         elif graph.weight_derived[u]:
@@ -192,8 +211,8 @@ def edge_policy(topology: Any, graph: Any, options: CollectiveOptions,
                 wu = weight_units[u] = {units[p] for p in graph.weight_source(u) if p in units}
             if len(wu) == 1:
                 unit_of[e], kind[e] = next(iter(wu)), "weight"
-        elif u not in sink_unit and grad_units[u] is not None and len(grad_units[u]) == 1:
-            unit_of[e], kind[e] = next(iter(grad_units[u])), "gradient"
+        elif slot_units[(u, element)] is not None and len(slot_units[(u, element)]) == 1:
+            unit_of[e], kind[e] = next(iter(slot_units[(u, element)])), "gradient"
 
     scale = np.ones(num_edges, dtype=np.float64)
     if options.bucket:
