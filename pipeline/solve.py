@@ -340,6 +340,27 @@ def run_solve(cfg: Any, dirs: Any) -> None:
              record["objective"], record["lower_bound"], record["gap"], record["status"])
 
 
+def _step_time(cfg: Any, topology: TopologyTables, costs: Costs, strategy: np.ndarray,
+               parts: Any) -> dict[str, Any]:
+    """The overlap-aware step time of the plan (pipeline/steptime.py), as run-record
+    fields: ``step_time`` (the whole entry) and its ``step_time_us``,
+    ``exposed_comm_us`` and ``tokens_per_s_per_device`` at the top level."""
+    from pipeline.steptime import global_tokens, plan_step_inputs, simulate, step_time_record
+
+    if costs.memory is not None:
+        graph = costs.memory.graph
+    else:
+        from pipeline.memory.graph import step_graph
+
+        graph = step_graph(topology)
+    inputs = plan_step_inputs(topology, costs.cost_model(), strategy, parts,
+                              graph.weight_derived)
+    entry = step_time_record(simulate(inputs), [str(m) for m in cfg.mesh_names],
+                             global_tokens(cfg.model), math.prod(int(m) for m in cfg.mesh))
+    return {"step_time_us": entry["step_time_us"], "exposed_comm_us": entry["exposed_comm_us"],
+            "tokens_per_s_per_device": entry["tokens_per_s_per_device"], "step_time": entry}
+
+
 def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result: Any,
             lp_bound: float | None, timer: runtime.PhaseTimer, upstream: dict[str, float],
             fit: Any = None) -> tuple[dict[str, Any], pa.Table, pa.Table]:
@@ -419,6 +440,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
     }
     if lp_bound is not None:
         record["lp_bound"] = float(lp_bound)
+    record.update(_step_time(cfg, topology, costs, strategy, parts))
     memory_cols: dict[str, Any] = {}
     if costs.memory is not None:
         from pipeline.memory.record import memory_columns, memory_record

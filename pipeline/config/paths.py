@@ -31,6 +31,7 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
     # breakdown.py is cost-model code run by solve (the record's cost parts); the memory
     # model walks the plan
     "solve": ("pipeline/solve.py", "pipeline/solvers/**/*.py", "pipeline/breakdown.py",
+              "pipeline/steptime.py",
               "pipeline/artifacts.py", "pipeline/plan.py", "pipeline/costmodel/**/*.py",
               "pipeline/memory/**/*.py"),
     "report": ("pipeline/report.py", "pipeline/artifacts.py"),
