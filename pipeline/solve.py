@@ -408,6 +408,8 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
         "hardware": str(cfg.hardware.name),
         "cost_mode": "lazy" if cfg.lazy_costs else "eager",
         "solver": str(cfg.solver.name),
+        # a hand-written plan pinned by config ``recipe`` (pipeline/topology/pins.py)
+        "recipe": cfg.get("recipe"),
         "backend": str(cfg.solver.backend) if cfg.solver.name != "approx" else None,
         "status": status,
         "objective": objective,
