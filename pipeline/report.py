@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 REDISTRIBUTIONS_FILE = REPORT_REDISTRIBUTIONS.name
 #: ``recipes.parquet`` of the report directory (:func:`recipe_rows`).
 RECIPES = artifacts.Artifact("recipes.parquet", "report", 1, "pipeline.report.run_report",
-                             "pipeline.paper.tables.recipes_table")
+                             "pipeline.paper.tables.plans_table")
 RECIPES_FILE = RECIPES.name
 _SKIP = ("config", "bound_history")
 #: Config keys two runs share when they are priced by the same cost model.

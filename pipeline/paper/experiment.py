@@ -41,6 +41,7 @@ ARTIFACTS: dict[str, tuple[str, ...]] = {
     "fig_peak_rss": ("fig_peak_rss.png",),
     "fig_depth": ("fig_depth.png",),
     "fig_solvers": ("fig_solvers.png",),
+    "plans": ("plans.md", "plans.parquet"),
 }
 SIDECAR_SUFFIX = ".provenance.json"
 PROVENANCE_FILE = "provenance.json"
