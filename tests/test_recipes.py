@@ -5,6 +5,7 @@ model, and a bad or inapplicable recipe fails in one line before anything is wri
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +164,35 @@ def test_recipe_is_a_topology_key() -> None:
     assert "recipe" not in stage_keys(plain, "topology")
     assert stage_keys(pinned, "topology")["recipe"] == "fsdp"
     assert stage_keys(pinned, "trace") == stage_keys(plain, "trace")
+
+
+def test_plans_table() -> None:
+    """The paper's plans table: a recipe's ratios are to the planner run of the same cost
+    model with the same constraints (else the first planner run); another model's run
+    is not compared."""
+    import pandas as pd
+
+    from pipeline.paper.tables import plans_markdown, plans_table
+
+    def cfg(model: str, budget: object) -> str:
+        return json.dumps({"model": {"name": model}, "mesh": [2, 4], "hardware": {"n": 1},
+                           "constraints": {"param_memory": budget}})
+
+    runs = pd.DataFrame([
+        {"run_id": "p1", "model": "toy", "mesh": "2x4", "recipe": None, "objective": 100.0,
+         "step_time_us": 80.0, "config_json": cfg("toy", {"high": 0.125})},
+        {"run_id": "p2", "model": "toy", "mesh": "2x4", "recipe": None, "objective": 90.0,
+         "step_time_us": 70.0, "config_json": cfg("toy", None)},
+        {"run_id": "r1", "model": "toy", "mesh": "2x4", "recipe": "ddp", "objective": 95.0,
+         "step_time_us": 60.0, "config_json": cfg("toy", None)},
+        {"run_id": "r2", "model": "big", "mesh": "2x4", "recipe": "fsdp", "objective": 5.0,
+         "step_time_us": 4.0, "config_json": cfg("big", None)},
+    ])
+    t = plans_table(runs).set_index("run_id")
+    assert t.loc["r1", "planner_run_id"] == "p2"
+    assert t.loc["r1", "objective_ratio"] == 95.0 / 90.0
+    assert t.loc["r1", "step_time_ratio"] == 60.0 / 70.0
+    assert t.loc["p1", "objective_ratio"] == 1.0 and t.loc["r1", "plan"] == "ddp"
+    assert pd.isna(t.loc["r2", "planner_run_id"]) and math.isnan(t.loc["r2", "objective_ratio"])
+    md = plans_markdown(plans_table(runs), "Plans", "footer")
+    assert "| toy | 2x4 | ddp | 95.0 | 60.0 |" in md
