@@ -340,8 +340,8 @@ def run_solve(cfg: Any, dirs: Any) -> None:
              record["objective"], record["lower_bound"], record["gap"], record["status"])
 
 
-def _step_time(cfg: Any, topology: TopologyTables, costs: Costs, strategy: np.ndarray,
-               parts: Any) -> dict[str, Any]:
+def _step_time(cfg: Any, topology: TopologyTables, costs: Costs, cost_model: Any,
+               strategy: np.ndarray, parts: Any) -> dict[str, Any]:
     """The overlap-aware step time of the plan (pipeline/steptime.py), as run-record
     fields: ``step_time`` (the whole entry) and its ``step_time_us``,
     ``exposed_comm_us`` and ``tokens_per_s_per_device`` at the top level."""
@@ -353,7 +353,7 @@ def _step_time(cfg: Any, topology: TopologyTables, costs: Costs, strategy: np.nd
         from pipeline.memory.graph import step_graph
 
         graph = step_graph(topology)
-    inputs = plan_step_inputs(topology, costs.cost_model(), strategy, parts,
+    inputs = plan_step_inputs(topology, cost_model, strategy, parts,
                               graph.weight_derived)
     entry = step_time_record(simulate(inputs), [str(m) for m in cfg.mesh_names],
                              global_tokens(cfg.model), math.prod(int(m) for m in cfg.mesh))
@@ -372,7 +372,8 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
     groups = group_structure(topology)
     labels = np.asarray(result.labels, dtype=np.int64)
     strategy = labels[groups.group_of]
-    parts = plan_breakdown(costs.cost_model(), strategy, [str(m) for m in cfg.mesh_names])
+    cost_model = costs.cost_model()
+    parts = plan_breakdown(cost_model, strategy, [str(m) for m in cfg.mesh_names])
     nodes = topology.nodes
     names = nodes["name"]
     outs = [topology.slist_outputs[s][k] for s, k in zip(nodes["slist"], strategy.tolist())]
@@ -442,7 +443,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
     }
     if lp_bound is not None:
         record["lp_bound"] = float(lp_bound)
-    record.update(_step_time(cfg, topology, costs, strategy, parts))
+    record.update(_step_time(cfg, topology, costs, cost_model, strategy, parts))
     memory_cols: dict[str, Any] = {}
     if costs.memory is not None:
         from pipeline.memory.record import memory_columns, memory_record
