@@ -159,3 +159,25 @@ def test_toy_step_time_bounds(toy_results: object, overrides: tuple[str, ...]) -
     for key in ("step_time_us", "exposed_comm_us", "tokens_per_s_per_device"):
         assert rec[key] == st[key]
     assert json.loads(json.dumps(st)) == st
+
+
+def test_multi_dim_steps_in_order() -> None:
+    """pA's redistribution in two steps, dim 1 (2 µs) then dim 0 (4 µs). At 0 the first
+    step starts on dim 1 (0-2) and pB's prefetched gather is issued on dim 0 (0-6) as
+    the stream reaches a0; pA's second step is issued at 2 and queues behind it: 6-10.
+    a0 10-20, all-reduce 20-23, a1 23-33, b1 33-53, gB 53-58 (its reduce-scatter 58-66),
+    b0 58-78: step 78, exposed 13."""
+    g = _graph()
+    g.steps[1] = [(1, 2.0), (0, 4.0)]
+    sim = simulate(g)
+    assert sim.step_time_us == 78.0
+    assert sim.exposed_comm_us == 13.0
+    assert dict(zip(g.names, sim.node_start_us))["a0"] == 10.0
+    assert sim.stream_busy_us == [18.0, 5.0]
+
+
+def test_forbidden_edge_is_refused() -> None:
+    g = _graph()
+    g.steps[2] = [(1, math.inf)]
+    with pytest.raises(ValueError, match="a0 -> a1"):
+        simulate(g)
