@@ -18,7 +18,13 @@ from pipeline.paper.experiment import (
     load_experiment,
     refresh_report,
 )
-from pipeline.paper.figures import plot_depth, plot_peak_rss, plot_phases, plot_solvers
+from pipeline.paper.figures import (
+    plot_depth,
+    plot_peak_rss,
+    plot_phases,
+    plot_plans,
+    plot_solvers,
+)
 from pipeline.paper.provenance import (
     describe_runs,
     file_sha256,
@@ -128,7 +134,11 @@ def _write_plans(every: Any, exp: Experiment, source: dict[str, Any],
         tmp.write_text(plans_markdown(table, "Plans: additive objective and overlapped step "
                                       "time", footer))
     write_sidecar(md_path, prov)
-    return [md_path, pq_path]
+    fig_prov = provenance(every, "fig_plans", exp.name, source)
+    provs["fig_plans"] = fig_prov
+    fig_path = exp.out_dir / ARTIFACTS["fig_plans"][0]
+    plot_plans(every, fig_path, fig_prov)
+    return [md_path, pq_path, fig_path]
 
 
 def make_paper(overrides: Sequence[str] = (), run_missing: bool = True) -> list[Path]:
