@@ -8,6 +8,11 @@
   placements differ), the union of every run's ``redistributions.parquet``: the
   src/dst placements, the collectives DTensor would run (``reduce_scatter(dp)``...),
   bytes and µs.
+* ``results/report/recipes.parquet``: the planner's plan beside each recipe (config
+  ``recipe``, pipeline/topology/pins.py): one row per (recipe run, planner run) that
+  share the model, mesh, mesh names, hardware and memory-model options (the same cost
+  model), with both objectives, both overlap-aware step times (pipeline/steptime.py),
+  tokens/s per device and the ratios recipe / planner (:func:`recipe_rows`).
 
 All load with pandas, polars or duckdb. Rows are sorted by run directory so
 the files are deterministic for a given set of runs. File names and schema versions:
@@ -41,7 +46,13 @@ log = logging.getLogger(__name__)
 
 #: ``redistributions.parquet`` of the report directory (the union of the runs' tables).
 REDISTRIBUTIONS_FILE = REPORT_REDISTRIBUTIONS.name
+#: ``recipes.parquet`` of the report directory (:func:`recipe_rows`).
+RECIPES = artifacts.Artifact("recipes.parquet", "report", 1, "pipeline.report.run_report",
+                             "pipeline.paper.tables.plans_table")
+RECIPES_FILE = RECIPES.name
 _SKIP = ("config", "bound_history")
+#: Config keys two runs share when they are priced by the same cost model.
+_COST_MODEL_KEYS = ("model", "mesh", "mesh_names", "hardware", "optimizer", "memory", "fsdp")
 
 
 def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -58,24 +69,98 @@ def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def run_rows(results_dir: Path) -> list[dict[str, Any]]:
-    """Flattened run records of every ``runs/**/run.json`` (sorted by path)."""
+def run_records(results_dir: Path) -> list[dict[str, Any]]:
+    """Every ``runs/**/run.json`` (sorted by path)."""
+    return [json.loads(path.read_text())
+            for path in sorted(Path(results_dir, "runs").glob(f"**/{RUN.name}"))]
+
+
+def run_rows(results_dir: Path, records: list[dict[str, Any]] | None = None
+             ) -> list[dict[str, Any]]:
+    """Flattened run records of every ``runs/**/run.json`` (sorted by path; ``records``:
+    those already read by :func:`run_records`)."""
     rows = []
-    for path in sorted(Path(results_dir, "runs").glob(f"**/{RUN.name}")):
-        rec = json.loads(path.read_text())
+    for rec in run_records(results_dir) if records is None else records:
         row = flatten({k: v for k, v in rec.items() if k not in _SKIP})
         row["config_json"] = json.dumps(rec.get("config", {}), sort_keys=True)
         rows.append(row)
     return rows
 
 
+def _comparison_key(record: dict[str, Any]) -> str:
+    cfg = record.get("config") or {}
+    return json.dumps({k: cfg.get(k) for k in _COST_MODEL_KEYS}, sort_keys=True)
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if a is None or b is None or not b:
+        return None
+    return float(a) / float(b)
+
+
+def recipe_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (recipe run, planner run) of the same cost model (module docstring),
+    in run-directory order of the recipe runs, then of the planner runs: ``recipe``,
+    ``model``, ``mesh``, ``mesh_names``, ``hardware``, both run ids and solvers, the
+    planner's ``param_memory`` and ``device_memory`` constraints (JSON text: a recipe's
+    pinned parameters are outside the parameter budget, the planner's are not),
+    ``objective`` / ``step_time_us`` / ``tokens_per_s_per_device`` of each and
+    ``objective_ratio`` / ``step_time_ratio`` (recipe / planner)."""
+    planners: dict[str, list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("recipe") is None:
+            planners.setdefault(_comparison_key(r), []).append(r)
+    rows = []
+    for r in records:
+        if r.get("recipe") is None:
+            continue
+        for p in planners.get(_comparison_key(r), []):
+            constraints = (p.get("config") or {}).get("constraints") or {}
+            rows.append({
+                "recipe": str(r["recipe"]), "model": r.get("model"), "mesh": r.get("mesh"),
+                "mesh_names": json.dumps(r.get("mesh_names")), "hardware": r.get("hardware"),
+                "recipe_run_id": r.get("run_id"), "planner_run_id": p.get("run_id"),
+                "recipe_solver": r.get("solver"), "planner_solver": p.get("solver"),
+                "planner_param_memory": json.dumps(constraints.get("param_memory")),
+                "planner_device_memory": json.dumps(constraints.get("device_memory")),
+                "recipe_objective": r.get("objective"), "planner_objective": p.get("objective"),
+                "objective_ratio": _ratio(r.get("objective"), p.get("objective")),
+                "recipe_step_time_us": r.get("step_time_us"),
+                "planner_step_time_us": p.get("step_time_us"),
+                "step_time_ratio": _ratio(r.get("step_time_us"), p.get("step_time_us")),
+                "recipe_tokens_per_s_per_device": r.get("tokens_per_s_per_device"),
+                "planner_tokens_per_s_per_device": p.get("tokens_per_s_per_device"),
+            })
+    return rows
+
+
+_RECIPE_NUMERIC = ("objective", "step_time", "ratio", "tokens")
+
+
+def _recipe_table(rows: list[dict[str, Any]]) -> pa.Table:
+    names = ["recipe", "model", "mesh", "mesh_names", "hardware", "recipe_run_id",
+             "planner_run_id", "recipe_solver", "planner_solver", "planner_param_memory",
+             "planner_device_memory", "recipe_objective", "planner_objective",
+             "objective_ratio", "recipe_step_time_us", "planner_step_time_us",
+             "step_time_ratio", "recipe_tokens_per_s_per_device",
+             "planner_tokens_per_s_per_device"]
+    cols = {}
+    for k in names:
+        numeric = any(t in k for t in _RECIPE_NUMERIC)
+        values = [r[k] for r in rows]
+        cols[k] = pa.array([None if v is None else float(v) for v in values], pa.float64()) \
+            if numeric else pa.array(values, pa.string())
+    return pa.table(cols)
+
+
 def run_report(results_dir: Path) -> None:
-    """Write ``report/runs.parquet``, ``report/placements.parquet`` and
-    ``report/redistributions.parquet`` atomically (``runs.parquet``, the sentinel,
-    last); an empty results directory gives empty tables."""
+    """Write ``report/runs.parquet``, ``report/placements.parquet``,
+    ``report/redistributions.parquet`` and ``report/recipes.parquet`` atomically
+    (``runs.parquet``, the sentinel, last); an empty results directory gives empty tables."""
     results_dir = Path(results_dir)
     out = results_dir / "report"
-    rows = run_rows(results_dir)
+    records = run_records(results_dir)
+    rows = run_rows(results_dir, records)
     keys = sorted({k for r in rows for k in r})
     cols = {k: [r.get(k) for r in rows] for k in keys}
     table = pa.table({k: _column(v) for k, v in cols.items()}) if rows else pa.table({})
@@ -84,6 +169,8 @@ def run_report(results_dir: Path) -> None:
     redistributions = _union(results_dir, REDISTRIBUTIONS.name)
     artifacts.write_table(REPORT_REDISTRIBUTIONS, out, redistributions,
                           metadata={"runs": len(rows)})
+    recipes = recipe_rows(records)
+    artifacts.write_table(RECIPES, out, _recipe_table(recipes), metadata={"rows": len(recipes)})
     artifacts.write_table(RUNS, out, table, metadata={
         "runs": len(rows), "git": runtime.git_revision()})
     log.info("report: %d runs, %d placement rows, %d redistribution rows -> %s", len(rows),

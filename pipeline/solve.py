@@ -344,6 +344,27 @@ def run_solve(cfg: Any, dirs: Any) -> None:
              record["objective"], record["lower_bound"], record["gap"], record["status"])
 
 
+def _step_time(cfg: Any, topology: TopologyTables, costs: Costs, cost_model: Any,
+               strategy: np.ndarray, parts: Any) -> dict[str, Any]:
+    """The overlap-aware step time of the plan (pipeline/steptime.py), as run-record
+    fields: ``step_time`` (the whole entry) and its ``step_time_us``,
+    ``exposed_comm_us`` and ``tokens_per_s_per_device`` at the top level."""
+    from pipeline.steptime import global_tokens, plan_step_inputs, simulate, step_time_record
+
+    if costs.memory is not None:
+        graph = costs.memory.graph
+    else:
+        from pipeline.memory.graph import step_graph
+
+        graph = step_graph(topology)
+    inputs = plan_step_inputs(topology, cost_model, strategy, parts,
+                              graph.weight_derived)
+    entry = step_time_record(simulate(inputs), [str(m) for m in cfg.mesh_names],
+                             global_tokens(cfg.model), math.prod(int(m) for m in cfg.mesh))
+    return {"step_time_us": entry["step_time_us"], "exposed_comm_us": entry["exposed_comm_us"],
+            "tokens_per_s_per_device": entry["tokens_per_s_per_device"], "step_time": entry}
+
+
 def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result: Any,
             lp_bound: float | None, timer: runtime.PhaseTimer, upstream: dict[str, float],
             fit: Any = None) -> tuple[dict[str, Any], pa.Table, pa.Table]:
@@ -355,7 +376,8 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
     groups = group_structure(topology)
     labels = np.asarray(result.labels, dtype=np.int64)
     strategy = labels[groups.group_of]
-    parts = plan_breakdown(costs.cost_model(), strategy, [str(m) for m in cfg.mesh_names])
+    cost_model = costs.cost_model()
+    parts = plan_breakdown(cost_model, strategy, [str(m) for m in cfg.mesh_names])
     nodes = topology.nodes
     names = nodes["name"]
     outs = [topology.slist_outputs[s][k] for s, k in zip(nodes["slist"], strategy.tolist())]
@@ -391,6 +413,8 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
         "hardware": str(cfg.hardware.name),
         "cost_mode": "lazy" if cfg.lazy_costs else "eager",
         "solver": str(cfg.solver.name),
+        # a hand-written plan pinned by config ``recipe`` (pipeline/topology/pins.py)
+        "recipe": cfg.get("recipe"),
         "backend": str(cfg.solver.backend) if cfg.solver.name != "approx" else None,
         "status": status,
         "objective": objective,
@@ -423,6 +447,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
     }
     if lp_bound is not None:
         record["lp_bound"] = float(lp_bound)
+    record.update(_step_time(cfg, topology, costs, cost_model, strategy, parts))
     memory_cols: dict[str, Any] = {}
     if costs.memory is not None:
         from pipeline.memory.record import memory_columns, memory_record

@@ -198,7 +198,7 @@ BAD_CASES = [
     ("unknown-key", ["foo=1"], ["overrides=foo=1"],
      "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
      "optimizer, constraints, memory, fsdp, mesh, mesh_names, lazy_costs, repeated_layers, "
-     "optimality_check, results_dir, experiment, revision_label, paper"),
+     "recipe, optimality_check, results_dir, experiment, revision_label, paper"),
     ("bool-2", ["repeated_layers=2"], ["repeated_layers=2"],
      "repeated_layers=2: allowed true, false"),
 ]

@@ -31,6 +31,7 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
     # breakdown.py is cost-model code run by solve (the record's cost parts); the memory
     # model walks the plan
     "solve": ("pipeline/solve.py", "pipeline/solvers/**/*.py", "pipeline/breakdown.py",
+              "pipeline/steptime.py",
               "pipeline/artifacts.py", "pipeline/plan.py", "pipeline/costmodel/**/*.py",
               "pipeline/memory/**/*.py"),
     "report": ("pipeline/report.py", "pipeline/artifacts.py"),
@@ -56,10 +57,11 @@ def config_hash(obj: Any) -> str:
 #: costs level with the memory model's keys (``optimizer``, ``memory``, ``fsdp``).
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "trace": ("model",),
-    "topology": ("model", "mesh", "mesh_names", "constraints", "repeated_layers"),
-    "costs": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "hardware",
-              "lazy_costs", "optimizer", "memory", "fsdp", "device_memory"),
-    "solve": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "hardware",
+    "topology": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "recipe"),
+    "costs": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "recipe",
+              "hardware", "lazy_costs", "optimizer", "memory", "fsdp", "device_memory"),
+    "solve": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "recipe",
+              "hardware",
               "lazy_costs", "optimizer", "memory", "fsdp", "device_memory", "solver",
               "optimality_check"),
     "report": ("results_dir",),
@@ -75,6 +77,11 @@ MEMORY_KEY_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: Keys that enter a directory's hash only when set (so runs without them keep their
+#: directories): ``recipe`` pins the placements of a hand-written plan, a topology key.
+OPTIONAL_KEY_DEFAULTS: dict[str, Any] = {"recipe": None}
+
+
 def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
     """The part of a *resolved* config that ``stage`` depends on, as plain data.
 
@@ -85,6 +92,8 @@ def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
         raise ValueError(f"stage={stage}: allowed {', '.join(STAGES)}")
     out: dict[str, Any] = {}
     for k in STAGE_KEYS[stage]:
+        if k in OPTIONAL_KEY_DEFAULTS and cfg.get(k) == OPTIONAL_KEY_DEFAULTS[k]:
+            continue
         value = cfg.constraints.get("device_memory") if k == "device_memory" else cfg[k]
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value, resolve=True)

@@ -158,6 +158,9 @@ class Config:
         mesh_names: one name per mesh dim (``None``: dp / dp,tp / dp,cp,tp by rank).
         lazy_costs: lazy cost factors (``None``: true for approx, false for ilp/lp).
         repeated_layers: tie the copies of a repeated layer to one decision.
+        recipe: pin the placements of a standard hand-written plan (``ddp``, ``fsdp``,
+            ``hsdp``, ``fsdp_tp``, ``fsdp_tp_cp``; pipeline/topology/pins.py) to compare
+            it with the planner's plan under the same cost model; ``None``: none.
         optimality_check: also compute a certificate of optimality where possible.
         results_dir: root of all results, relative to the working directory.
         experiment: name of the selected ``conf/experiment`` option (set by it).
@@ -179,6 +182,7 @@ class Config:
     mesh_names: list[str] | None = None
     lazy_costs: bool | None = None
     repeated_layers: bool = True
+    recipe: str | None = None
     optimality_check: bool = False
     results_dir: str = "results"
     experiment: str | None = None

@@ -53,6 +53,7 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
 #: Snakemake ``--config`` keys and how each maps to Hydra.
 SNAKEMAKE_KEYS: tuple[str, ...] = ("model", "mesh", "mesh_names", "solver", "lazy_costs",
                                    "hardware", "optimizer", "experiment", "repeated_layers",
+                                   "recipe",
                                    "optimality_check", "results_dir", "revision_label",
                                    "overrides")
 

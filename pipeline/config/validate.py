@@ -178,6 +178,24 @@ def _check_constraints(c: Any, mesh: list[int]) -> None:
                               "(1/mesh size)")
 
 
+def _check_recipe(recipe: Any, names: list[str], c: Any) -> None:
+    """``recipe``: one of the recipes, applicable to the mesh (its dim names), and not
+    combined with ``constraints.inputs`` (the recipe places the inputs)."""
+    if recipe is None:
+        return
+    from pipeline.topology.pins import RECIPES, recipe_dim_roles
+
+    if not isinstance(recipe, str) or recipe not in RECIPES:
+        raise ConfigError(f"recipe={_shown(recipe)}: allowed {', '.join(RECIPES)}, null")
+    try:
+        recipe_dim_roles(recipe, names)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if c.inputs is not None:
+        raise ConfigError(f"constraints.inputs={_shown(c.inputs)}: recipe={recipe} places "
+                          "the inputs itself; allowed null with a recipe")
+
+
 def resolve(cfg: DictConfig) -> DictConfig:
     """Validate a composed config and fill in everything ``null`` means.
 
@@ -242,6 +260,7 @@ def resolve(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"lazy_costs=true: lazy costs need solver=approx "
                           f"(got solver={out.solver.name})")
     _check_constraints(out.constraints, mesh)
+    _check_recipe(out.recipe, names, out.constraints)
     try:
         validate_memory_config(out)
     except ValueError as err:

@@ -41,6 +41,8 @@ ARTIFACTS: dict[str, tuple[str, ...]] = {
     "fig_peak_rss": ("fig_peak_rss.png",),
     "fig_depth": ("fig_depth.png",),
     "fig_solvers": ("fig_solvers.png",),
+    "plans": ("plans.md", "plans.parquet"),
+    "fig_plans": ("fig_plans.png",),
 }
 SIDECAR_SUFFIX = ".provenance.json"
 PROVENANCE_FILE = "provenance.json"

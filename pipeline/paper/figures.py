@@ -209,3 +209,29 @@ def plot_solvers(runs: Any, path: Path, prov: dict[str, Any]) -> None:
                     "the labels give each gap", transform=ax_gap.transAxes,
                     ha="center", va="center", fontsize=8, color="#444444")
     _save(fig, path, runs, prov)
+
+
+def plot_plans(runs: Any, path: Path, prov: dict[str, Any]) -> None:
+    """Each run's plan: the additive objective beside the overlap-aware step time
+    (pipeline/steptime.py), grouped by model and mesh; recipes by name
+    (pipeline/paper/tables.py ``plans_table``)."""
+    from pipeline.paper.tables import plans_table
+
+    table = plans_table(runs)
+    order = sorted(range(len(table)), key=lambda i: (
+        str(table.iloc[i]["model"]), mesh_order(table.iloc[i]["mesh"]),
+        table.iloc[i]["plan"] != "planner", str(table.iloc[i]["plan"])))
+    table = table.iloc[order].reset_index(drop=True)
+    fig, (ax,) = _figure(width=max(8.0, 0.9 * len(table) + 2))
+    xs = list(range(len(table)))
+    ax.bar([x - 0.2 for x in xs], table["objective"], width=0.4, color="#C9D3E6",
+           label="objective (additive)")
+    ax.bar([x + 0.2 for x in xs], table["step_time_us"], width=0.4, color="#4C72B0",
+           label="step time (overlapped)")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([f"{r['model']} {r['mesh']}\n{r['plan']}"
+                        for r in table.to_dict("records")], fontsize=8)
+    ax.set_ylabel("µs per step")
+    ax.set_title("Plans: additive objective and overlapped step time")
+    ax.legend(fontsize=8)
+    _save(fig, path, runs, prov)

@@ -180,3 +180,95 @@ def table_markdown(table: Any, title: str, footer: str) -> str:
     lines.append("| Δ lazy − eager | " + " | ".join(cells) + " |")
     lines += ["", footer, ""]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- plans
+
+
+#: Columns of the plans table: (column, Markdown header, unit).
+PLAN_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("objective", "Objective (additive)", "µs"),
+    ("step_time_us", "Step time (overlapped)", "µs"),
+    ("exposed_comm_us", "Exposed comm", "µs"),
+    ("tokens_per_s_per_device", "Tokens/s/device", ""),
+    ("objective_ratio", "Objective / planner", ""),
+    ("step_time_ratio", "Step time / planner", ""),
+)
+
+#: Config keys two runs share when they are priced by the same cost model.
+COST_MODEL_KEYS: tuple[str, ...] = ("model", "mesh", "mesh_names", "hardware", "optimizer",
+                                    "memory", "fsdp")
+
+
+def _plan_name(row: Any) -> str:
+    recipe = _row_value(row, "recipe")
+    return "planner" if recipe is None else str(recipe)
+
+
+def plans_table(runs: Any) -> Any:
+    """Every run's plan: the additive objective beside the overlap-aware step time
+    (pipeline/steptime.py: ``step_time_us``, ``exposed_comm_us``,
+    ``tokens_per_s_per_device``), and for a recipe run (config ``recipe``) the ratios
+    to the planner's run of the same cost model (:data:`COST_MODEL_KEYS`; the one with
+    the same ``constraints`` when there is one, else the first). Rows: in the order of
+    ``runs``; columns ``run_id``, ``model``, ``mesh``, ``hardware``, ``solver``,
+    ``plan`` (``planner`` or the recipe), :data:`PLAN_COLUMNS` and
+    ``planner_run_id``; NaN where a run has no step time (a record from before it)."""
+    import pandas as pd
+
+    keyed = []
+    for _, row in runs.iterrows():
+        cfg = row_config(row)
+        key = json.dumps({k: cfg.get(k) for k in COST_MODEL_KEYS}, sort_keys=True)
+        keyed.append((row, key, json.dumps(cfg.get("constraints"), sort_keys=True)))
+    planners: dict[str, list[tuple[Any, str]]] = {}
+    for row, key, cons in keyed:
+        if _plan_name(row) == "planner":
+            planners.setdefault(key, []).append((row, cons))
+    out = []
+    for row, key, cons in keyed:
+        name = _plan_name(row)
+        ref = None
+        if name != "planner" and planners.get(key):
+            same = [p for p, c in planners[key] if c == cons]
+            ref = same[0] if same else planners[key][0][0]
+        elif name == "planner":
+            ref = row
+        entry = {"run_id": str(row.get("run_id")), "model": row.get("model"),
+                 "mesh": row.get("mesh"), "hardware": row.get("hardware"),
+                 "solver": row.get("solver"), "plan": name,
+                 "objective": row_float(row, "objective"),
+                 "step_time_us": row_float(row, "step_time_us"),
+                 "exposed_comm_us": row_float(row, "exposed_comm_us"),
+                 "tokens_per_s_per_device": row_float(row, "tokens_per_s_per_device"),
+                 "planner_run_id": None if ref is None else str(ref.get("run_id"))}
+        for col, base in (("objective_ratio", "objective"), ("step_time_ratio", "step_time_us")):
+            denom = float("nan") if ref is None else row_float(ref, base)
+            entry[col] = entry[base] / denom if denom and math.isfinite(denom) else float("nan")
+        out.append(entry)
+    cols = ["run_id", "model", "mesh", "hardware", "solver", "plan",
+            *[c for c, _, _ in PLAN_COLUMNS], "planner_run_id"]
+    return pd.DataFrame(out, columns=cols)
+
+
+def _cell(value: Any, unit: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if unit == "µs":
+        return f"{value:,.1f}"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.3f}"
+
+
+def plans_markdown(table: Any, title: str, footer: str) -> str:
+    """The plans table as GitHub Markdown, one line per run (model, mesh, plan, then
+    :data:`PLAN_COLUMNS`)."""
+    head = ["Model", "Mesh", "Plan"] + [f"{h} ({u})" if u else h for _, h, u in PLAN_COLUMNS]
+    lines = [f"**{title}**", "", "| " + " | ".join(head) + " |",
+             "| --- | --- | --- |" + " ---: |" * len(PLAN_COLUMNS)]
+    for r in table.to_dict("records"):
+        cells = [_cell(r[c], u) for c, _, u in PLAN_COLUMNS]
+        lines.append(f"| {r['model']} | {r['mesh']} | {r['plan']} | " + " | ".join(cells) + " |")
+    lines += ["", footer, ""]
+    return "\n".join(lines)

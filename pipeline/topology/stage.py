@@ -12,7 +12,7 @@ from pipeline.artifacts import GRAPH
 from pipeline.topology.artifacts import write_topology
 from pipeline.topology.groups import group_nodes
 from pipeline.topology.ir import IRNode, read_nodes
-from pipeline.topology.pins import apply_pins, parse_pins, pin_requests
+from pipeline.topology.pins import apply_pins, parse_pins, pin_requests, recipe_of
 from pipeline.topology.problem import (
     StrategyTable,
     Topology,
@@ -82,6 +82,7 @@ def run_topology(cfg: Any, trace_dir: Path, out_dir: Path) -> None:
         mesh_shape = tuple(int(s) for s in cfg.mesh)
         mesh_names = tuple(cfg.mesh_names)
         constraints = OmegaConf.to_container(cfg.constraints, resolve=True) or {}
+        constraints["recipe"] = recipe_of(cfg)
         mesh = device_mesh(mesh_shape, mesh_names)
         topo = build_topology(nodes, mesh, mesh_shape, mesh_names, constraints,
                               bool(cfg.repeated_layers), tied_params=tied)
