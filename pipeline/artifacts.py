@@ -25,6 +25,8 @@ solve     ``redistributions.parquet`` one row per edge whose placements differ
 solve     ``plan.json``               the plan in a loadable, versioned form
                                       (pipeline/plan.py, docs/plan.md)
 solve     ``run.json``                the run record (sentinel)
+solve     ``plan.png``, ``plan.svg``  a picture of the plan, drawn by the report
+                                      step (pipeline/plan_picture.py)
 report    ``runs.parquet``            one row per run record under ``runs/``
 report    ``placements.parquet``      the union of every ``solution.parquet``
 report    ``redistributions.parquet`` the union of every run's redistributions
@@ -58,8 +60,9 @@ class Artifact:
         stage: the stage whose directory holds it.
         schema_version: version of its columns / keys.
         writer, reader: dotted names of the functions that write and read it.
-        when: ``"always"``, ``"eager"`` (eager costs only) or ``"ilp,lp"`` (those
-            solvers only).
+        when: ``"always"``, ``"eager"`` (eager costs only), ``"ilp,lp"`` (those
+            solvers only) or ``"report"`` (written into the stage's directory by the
+            report step, so not an output of the stage's own rule).
     """
 
     name: str
@@ -97,6 +100,10 @@ REDISTRIBUTIONS = Artifact("redistributions.parquet", "solve", 1,
 PLAN = Artifact("plan.json", "solve", 1, "pipeline.plan.write_plan", "pipeline.plan.load")
 RUN = Artifact("run.json", "solve", 1, "pipeline.solve.run_solve",
                "pipeline.report.run_rows")
+PLAN_PICTURE = Artifact("plan.png", "solve", 1, "pipeline.plan_picture.write_plan_picture",
+                        when="report")
+PLAN_SVG = Artifact("plan.svg", "solve", 1, "pipeline.plan_picture.write_plan_picture",
+                    when="report")
 RUNS = Artifact("runs.parquet", "report", 1, "pipeline.report.run_report",
                 "pipeline.paper.read_runs")
 PLACEMENTS = Artifact("placements.parquet", "report", 1, "pipeline.report.run_report")
@@ -106,7 +113,7 @@ REPORT_REDISTRIBUTIONS = Artifact("redistributions.parquet", "report", 1,
 #: Every artifact, in stage order.
 ARTIFACTS: tuple[Artifact, ...] = (
     GRAPH, NODES, STRATEGIES, EDGES, TOPOLOGY, FACTORS, COSTS, MODEL_MPS, SOLUTION,
-    REDISTRIBUTIONS, PLAN, RUN, RUNS, PLACEMENTS, REPORT_REDISTRIBUTIONS)
+    REDISTRIBUTIONS, PLAN, RUN, PLAN_PICTURE, PLAN_SVG, RUNS, PLACEMENTS, REPORT_REDISTRIBUTIONS)
 
 # File names, for the modules that join them to a directory themselves.
 GRAPH_FILE = GRAPH.name
