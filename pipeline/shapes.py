@@ -212,6 +212,42 @@ def sweep_dir(cfg: DictConfig, world: int, max_dims: int) -> Path:
             / f"w{world}-d{max_dims}")
 
 
+@dataclass(frozen=True)
+class ShapesRequest:
+    """What the Snakemake rule needs before any job runs: the sweep's directory and the
+    arguments of ``python -m pipeline.shapes``."""
+
+    world: int
+    max_dims: int
+    out_dir: Path
+    argv: list[str]
+
+
+def shapes_request(keys: dict[str, Any], plan_cfg: DictConfig,
+                   overrides: Sequence[str]) -> ShapesRequest | None:
+    """The sweep of ``snakemake shapes --config world=N [max_dims=K] ...``: ``keys`` are
+    the popped ``world`` / ``max_dims`` (``world`` defaults to the size of the --config
+    mesh, ``plan_cfg``), ``overrides`` the run's Hydra overrides (their ``mesh`` and
+    ``mesh_names`` are dropped: the sweep sets them). One config (the 1-D shape) is
+    composed to name the directory. ``None`` when no world is given and the --config
+    mesh has a single device (nothing to sweep).
+
+    Raises:
+        ConfigError: a bad ``world`` or ``max_dims`` (one line).
+    """
+    world = keys.get("world")
+    if world is None:
+        world = math.prod(int(d) for d in plan_cfg.mesh)
+        if world < 2:
+            return None
+    world = check_world(_int_value("world", world))
+    max_dims = check_max_dims(_int_value("max_dims", keys.get("max_dims", DEFAULT_MAX_DIMS)))
+    rest = [o for o in overrides if o.partition("=")[0].lstrip("+~") not in ("mesh", "mesh_names")]
+    cfg = load_resolved([*rest, *shape_overrides((world,))])
+    return ShapesRequest(world, max_dims, sweep_dir(cfg, world, max_dims),
+                         [f"world={world}", f"max_dims={max_dims}", *rest])
+
+
 def code_hash() -> str:
     """SHA-256 (16 hex digits) over this module, the plan picture's and the run stages'
     code hashes: the Snakemake rule's ``params.code``."""

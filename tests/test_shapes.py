@@ -1,0 +1,177 @@
+"""The mesh-shape sweep (pipeline/shapes.py): the factorisations against hand-made lists
+and a brute force, the dim names, bad input (one line, exit 2, nothing written), the
+Snakemake rule (dry run) and, slow, the toy sweep over 8 devices end to end with its
+table checked against runs made on their own."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from fixtures import SNAKEFILE, snakemake
+
+from pipeline import shapes
+from pipeline.config import load_resolved, stage_dirs
+
+# 64 = 2^6: a factorisation into k factors > 1 is a composition of the exponent 6 into k
+# positive parts (a factor 2^a per part a), so there are C(5, k-1) of them:
+# k=1: 1, k=2: 5, k=3: 10, k=4: 10. Written out by hand:
+HAND_64 = {
+    1: [(64,)],
+    # exponents (1,5) (2,4) (3,3) (4,2) (5,1)
+    2: [(2, 32), (4, 16), (8, 8), (16, 4), (32, 2)],
+    # exponents (1,1,4) (1,2,3) (1,3,2) (1,4,1) (2,1,3) (2,2,2) (2,3,1) (3,1,2) (3,2,1) (4,1,1)
+    3: [(2, 2, 16), (2, 4, 8), (2, 8, 4), (2, 16, 2), (4, 2, 8), (4, 4, 4), (4, 8, 2),
+        (8, 2, 4), (8, 4, 2), (16, 2, 2)],
+    # exponents (1,1,1,3) (1,1,2,2) (1,1,3,1) (1,2,1,2) (1,2,2,1) (1,3,1,1) (2,1,1,2)
+    # (2,1,2,1) (2,2,1,1) (3,1,1,1)
+    4: [(2, 2, 2, 8), (2, 2, 4, 4), (2, 2, 8, 2), (2, 4, 2, 4), (2, 4, 4, 2), (2, 8, 2, 2),
+        (4, 2, 2, 4), (4, 2, 4, 2), (4, 4, 2, 2), (8, 2, 2, 2)],
+}
+# 8 = 2^3: k=1: (8); k=2: (2,4), (4,2); k=3: (2,2,2); no 4 factors > 1.
+HAND_8 = [(8,), (2, 4), (4, 2), (2, 2, 2)]
+
+
+def test_factorisations_of_64_are_the_hand_made_list() -> None:
+    got = shapes.factorisations(64)
+    assert got == HAND_64[1] + HAND_64[2] + HAND_64[3]
+    assert len(got) == 1 + 5 + 10
+    got4 = shapes.factorisations(64, max_dims=4)
+    assert got4 == HAND_64[1] + HAND_64[2] + HAND_64[3] + HAND_64[4]
+    assert len(got4) == 26
+    assert [len([s for s in got4 if len(s) == k]) for k in (1, 2, 3, 4)] == [
+        math.comb(5, k - 1) for k in (1, 2, 3, 4)]
+    assert shapes.factorisations(8) == HAND_8
+    assert shapes.factorisations(8, max_dims=1) == [(8,)]
+    assert shapes.factorisations(7) == [(7,)]  # a prime has only its 1-D mesh
+
+
+@pytest.mark.parametrize("world", [12, 30, 36, 48, 64, 97])
+def test_factorisations_match_a_brute_force(world: int) -> None:
+    """Every tuple of 1..4 numbers in 2..world whose product is world, none of size 1."""
+    brute = {k: sorted(t for t in itertools.product(range(2, world + 1), repeat=k)
+                       if math.prod(t) == world) for k in (1, 2, 3, 4)}
+    got = shapes.factorisations(world, max_dims=4)
+    assert got == [t for k in (1, 2, 3, 4) for t in brute[k]]
+    assert all(d > 1 for t in got for d in t)
+
+
+def test_dims_are_named_by_rank_tp_innermost() -> None:
+    assert shapes.shape_overrides((64,)) == ["mesh=64", "mesh_names=[dp]"]
+    assert shapes.shape_overrides((8, 8)) == ["mesh=8x8", "mesh_names=[dp,tp]"]
+    assert shapes.shape_overrides((2, 4, 8)) == ["mesh=2x4x8", "mesh_names=[dp,cp,tp]"]
+    assert shapes.shape_overrides((2, 2, 2, 8)) == ["mesh=2x2x2x8",
+                                                     "mesh_names=[pp,dp,cp,tp]"]
+    # the names of ranks 1-3 are the planner's defaults
+    cfg = load_resolved(["model=toy", *shapes.shape_overrides((2, 4, 8))])
+    assert list(cfg.mesh_names) == ["dp", "cp", "tp"]
+    assert list(load_resolved(["model=toy", "mesh=2x4x8"]).mesh_names) == ["dp", "cp", "tp"]
+
+
+def test_every_shape_shares_the_trace_and_names_one_sweep_directory(tmp_path: Path) -> None:
+    sweep = shapes.prepare(8, 3, ["model=toy", f"results_dir={tmp_path}"])
+    assert sweep.shapes == HAND_8
+    dirs = [stage_dirs(c) for c in sweep.configs]
+    assert len({d.trace for d in dirs}) == 1
+    assert len({d.topology for d in dirs}) == 4
+    assert {shapes.sweep_dir(c, 8, 3) for c in sweep.configs} == {sweep.out_dir}
+    assert sweep.out_dir.parent.parent == tmp_path / "shapes"
+    assert sweep.out_dir.name == "w8-d3"
+    assert not any(tmp_path.iterdir())  # preparing writes nothing
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["world=1"], "world=1: allowed an integer >= 2"),
+    (["world=abc"], "world=abc: allowed an integer >= 2"),
+    (["world=8", "max_dims=5"], "max_dims=5: allowed an integer from 1 to 4"),
+    (["world=8", "max_dims=0"], "max_dims=0: allowed an integer from 1 to 4"),
+    (["world=8", "mesh=2x4"], "mesh=2x4: the shape sweep sets mesh and mesh_names itself"),
+    (["model=toy"], "world: missing; allowed world=<integer >= 2>"),
+    (["world=8", "solver=foo"], "solver=foo: allowed"),
+])
+def test_bad_input_is_one_line_exit_2_nothing_written(tmp_path: Path, capsys, args,
+                                                      message) -> None:
+    code = shapes.main([*args, f"results_dir={tmp_path / 'results'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(message), err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "results").exists()
+
+
+def test_markdown_table_and_order() -> None:
+    table = pd.DataFrame([
+        {"rank": 1, "mesh": "2x4", "mesh_names": "dp,tp", "dims": 2, "objective": 1234.5,
+         "compute_us": 1.0, "comm_us": 2.0, "transition_us": 3.0, "status": "Optimal",
+         "gap": 0.0, "placement_hash": "h", "run_id": "r", "solve_dir": "d"}])
+    md = shapes.markdown_table(table)
+    assert md.splitlines()[0] == ("| rank | mesh | mesh_names | dims | objective | compute_us "
+                                  "| comm_us | transition_us | status | gap | run_id |")
+    assert "| 1 | 2x4 | dp,tp | 2 | 1,234.500 | 1.000 | 2.000 | 3.000 | Optimal | 0.0000 | r |" in md
+
+
+def test_snakemake_rule_is_one_job_and_refuses_a_bad_world(tmp_path: Path) -> None:
+    code, out, err = snakemake(tmp_path, "-n", "shapes", "--config", "world=8", "model=toy")
+    assert code == 0, err
+    assert "shapes        1" in out
+    assert "results/shapes/toy-" in out and "/w8-d3/shapes.parquet" in out
+    code, out, err = snakemake(tmp_path, "-n", "shapes", "--config", "world=1", "model=toy")
+    assert code == 2
+    assert "world=1: allowed an integer >= 2" in err
+    assert not (tmp_path / "results").exists()
+
+
+# --------------------------------------------------------------------------- end to end
+
+#: The toy sweep over 8 devices, by Snakemake in its own directory (a background job).
+OWN_JOBS = {"shapes-toy-8": ("test_toy_sweep_end_to_end",)}
+
+
+def own_job_argv(key: str, base: Path) -> tuple[list[str], str]:
+    assert key == "shapes-toy-8"
+    return ([sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE),
+             "--directory", str(base), "shapes", "--cores", "1", "--config", "world=8",
+             "model=toy"], "1")
+
+
+@pytest.mark.slow
+@pytest.mark.toy_runs(("mesh=8", "lazy_costs=true"), ("mesh=2x4", "lazy_costs=true"))
+def test_toy_sweep_end_to_end(jobs, toy_results, tmp_path_factory) -> None:
+    from fixtures import own_jobs_dir
+
+    jobs.result("shapes-toy-8")
+    base = own_jobs_dir(tmp_path_factory, __name__)
+    results = base / "results"
+    (out,) = list((results / "shapes").glob("toy-*/w8-d3"))
+    table = pd.read_parquet(out / "shapes.parquet")
+    assert sorted(table["mesh"]) == sorted(["8", "2x4", "4x2", "2x2x2"])
+    assert list(table["rank"]) == [1, 2, 3, 4]
+    assert list(table["objective"]) == sorted(table["objective"])
+    assert dict(zip(table["mesh"], table["mesh_names"], strict=True)) == {
+        "8": "dp", "2x4": "dp,tp", "4x2": "dp,tp", "2x2x2": "dp,cp,tp"}
+    csv = pd.read_csv(out / "shapes.csv")
+    assert list(csv["mesh"]) == list(table["mesh"])
+    md = (out / "shapes.md").read_text()
+    assert all(f"| {m} |" in md for m in table["mesh"])
+    assert (out / "shapes.png").stat().st_size > 10_000
+    # each row is its run's record
+    for _, row in table.iterrows():
+        rec = json.loads((Path(row["solve_dir"]) / "run.json").read_text())
+        assert rec["objective"] == row["objective"]
+        assert rec["mesh"] == row["mesh"]
+        assert (Path(row["solve_dir"]) / "plan.png").exists()
+    # one trace for all four shapes
+    assert len(list((results / "runs").glob("*/graph.parquet"))) == 1
+    # the same configs planned on their own (the session's shared runs, another results
+    # directory) give the same objectives and plans
+    by_mesh = table.set_index("mesh")
+    for mesh in ("8", "2x4"):
+        run = toy_results.run(f"mesh={mesh}", "lazy_costs=true")
+        assert by_mesh.loc[mesh, "objective"] == pytest.approx(run.record["objective"],
+                                                               rel=1e-12)
+        assert by_mesh.loc[mesh, "placement_hash"] == run.record["placement_hash"]
