@@ -388,7 +388,7 @@ def plot_shapes(table: Any, path: Path, title: str) -> None:
         ax.margins(x=0.15)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[d]) for d in sorted(set(table["dims"]))]
     axes[0][0].legend(handles, [f"{d}-D" for d in sorted(set(table["dims"]))], fontsize=7,
-                      loc="lower right")
+                      loc="upper right")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     with runtime.atomic_path(path) as tmp:
