@@ -203,7 +203,7 @@ def _main_op(ops: Sequence[str]) -> tuple[str, int]:
 
 
 def _short_op(op: str) -> str:
-    """``aten._scaled_dot_product_flash_attention.default`` -> ``_scaled_dot_product_flash_attention``."""
+    """``aten.mm.default`` -> ``mm``; other names as they are."""
     parts = op.split(".")
     return parts[1] if len(parts) >= 3 and parts[0] == "aten" else op
 
@@ -412,8 +412,8 @@ def _lines(step: Step, names: Sequence[str]) -> list[tuple[str, str, str]]:
         out.append(("commsub", f"    {r.producer}: {r.src} → {r.dst}", color))
     out.append(("title", f"{step.label}  ·  {step.op}", "#000000"))
     if step.output is not None:
-        out.append(("body", f"out {_shape_text(step.output)}  {per_dim(step.output.placement, names)}",
-                    "#222222"))
+        placed = per_dim(step.output.placement, names)
+        out.append(("body", f"out {_shape_text(step.output)}  {placed}", "#222222"))
     for w in step.weights:
         short = w.name.split(".")[-2] if w.name.count(".") >= 1 else w.name
         out.append(("body", f"W {short} {_shape_text(w)}  {per_dim(w.placement, names)}",
@@ -519,8 +519,10 @@ def _side_panel(pic: PlanPicture) -> list[tuple[str, str, str]]:
         elif v is not None:
             out.append(("body", f"  {k:<14}{v!s:>14}", "#222222"))
     out.append(("gap", "", ""))
+    copies = f", ×{pic.layer_count} in the step" if pic.layer_count > 1 else ""
     for header, totals in (("collectives, whole step", pic.totals),
-                           (f"collectives, one layer ({pic.layer})", pic.layer_totals)):
+                           (f"collectives, one layer ({pic.layer}{copies})",
+                            pic.layer_totals)):
         out.append(("header", header, "#000000"))
         out.append(("body", f"  {'kind(mesh dim)':<22}{'count':>6}{'bytes':>11}{'µs':>11}",
                     "#222222"))

@@ -112,7 +112,8 @@ def test_markdown_table_and_order() -> None:
     md = shapes.markdown_table(table)
     assert md.splitlines()[0] == ("| rank | mesh | mesh_names | dims | objective | compute_us "
                                   "| comm_us | transition_us | status | gap | run_id |")
-    assert "| 1 | 2x4 | dp,tp | 2 | 1,234.500 | 1.000 | 2.000 | 3.000 | Optimal | 0.0000 | r |" in md
+    assert ("| 1 | 2x4 | dp,tp | 2 | 1,234.500 | 1.000 | 2.000 | 3.000 | Optimal | 0.0000 | r |"
+            in md)
 
 
 def test_snakemake_rule_is_one_job_and_refuses_a_bad_world(tmp_path: Path) -> None:
