@@ -13,6 +13,8 @@
   share the model, mesh, mesh names, hardware and memory-model options (the same cost
   model), with both objectives, both overlap-aware step times (pipeline/steptime.py),
   tokens/s per device and the ratios recipe / planner (:func:`recipe_rows`).
+* ``plan.png`` / ``plan.svg`` in each run's solve directory whose picture is missing
+  or older than its record (:mod:`pipeline.plan_picture`).
 
 All load with pandas, polars or duckdb. Rows are sorted by run directory so
 the files are deterministic for a given set of runs. File names and schema versions:

@@ -162,10 +162,11 @@ def test_toy_sweep_end_to_end(jobs, toy_results, tmp_path_factory) -> None:
     assert (out / "shapes.png").stat().st_size > 10_000
     # each row is its run's record
     for _, row in table.iterrows():
-        rec = json.loads((Path(row["solve_dir"]) / "run.json").read_text())
+        solve = base / row["solve_dir"]  # relative to the working directory, as results_dir
+        rec = json.loads((solve / "run.json").read_text())
         assert rec["objective"] == row["objective"]
         assert rec["mesh"] == row["mesh"]
-        assert (Path(row["solve_dir"]) / "plan.png").exists()
+        assert (solve / "plan.png").exists()
     # one trace for all four shapes
     assert len(list((results / "runs").glob("*/graph.parquet"))) == 1
     # the same configs planned on their own (the session's shared runs, another results
