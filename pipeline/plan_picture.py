@@ -237,7 +237,7 @@ def _steps(rows: list[dict[str, Any]], layer: str | None, names: Sequence[str],
         cls, i = _main_op(ops)
         if cls == "layout" and not rds:
             continue
-        if cls == "norm":  # the normalised output, not the rsqrt inside the norm
+        if cls == "norm" and g[0]["phase"] == "fwd":  # the normalised output, not the rsqrt
             i = max(j for j, op in enumerate(ops) if op not in LAYOUT_OPS)
         main = g[i]
         prefix = f"{layer}." if layer else ""
