@@ -265,27 +265,43 @@ def code_hash() -> str:
 def run_shapes(sweep: ShapeSweep) -> Any:
     """Plan every shape (stages reused when current, :func:`pipeline.cli.run_stage`),
     draw each run's plan picture, then the report over all runs; write the table and
-    the figure. Returns the table (pandas, best first)."""
-    from pipeline.cli import run_stage
+    the figure. Returns the table (pandas, best first).
+
+    A shape the planner refuses (one of :data:`pipeline.cli.USER_ERRORS`: e.g. the
+    default input placement ``S(0)`` on a first dim larger than the batch, or no plan
+    within the memory limit) is a row with status ``failed`` and the one-line reason in
+    ``error``, after every planned shape; the sweep goes on. Other errors stop it.
+    """
+    from pipeline.cli import USER_ERRORS, run_stage
     from pipeline.plan_picture import ensure_plan_picture
 
+    failed: dict[tuple[int, ...], str] = {}
     for i, cfg in enumerate(sweep.configs, 1):
         dirs = stage_dirs(cfg)
-        log.info("shape %d/%d: %s (%s)", i, len(sweep.configs), mesh_label(cfg.mesh),
+        shape = tuple(int(d) for d in cfg.mesh)
+        log.info("shape %d/%d: %s (%s)", i, len(sweep.configs), mesh_label(shape),
                  ",".join(cfg.mesh_names))
-        for stage in _RUN_STAGES:
-            run_stage(stage, cfg, dirs)
+        try:
+            for stage in _RUN_STAGES:
+                run_stage(stage, cfg, dirs)
+        except USER_ERRORS as err:
+            failed[shape] = str(err).splitlines()[0] if str(err) else type(err).__name__
+            log.warning("shape %s: not planned: %s", mesh_label(shape), failed[shape])
+            continue
         ensure_plan_picture(dirs.solve)
     run_stage("report", sweep.configs[0], stage_dirs(sweep.configs[0]))
-    table = shape_table([stage_dirs(c).solve for c in sweep.configs])
+    table = shape_table([stage_dirs(c).solve for c in sweep.configs
+                         if tuple(int(d) for d in c.mesh) not in failed], failed)
     write_outputs(table, sweep)
     return table
 
 
-def shape_table(solve_dirs: Sequence[Path]) -> Any:
+def shape_table(solve_dirs: Sequence[Path],
+                failed: dict[tuple[int, ...], str] | None = None) -> Any:
     """One row per run (its ``run.json``), best objective first (ties: fewer dims, then
-    the mesh label), ``rank`` from 1. ``step_time_us`` is a column only when some run
-    record has it."""
+    the mesh label), then one row per shape in ``failed`` (status ``failed``, the reason
+    in ``error``); ``rank`` from 1. ``step_time_us`` is a column only when some run
+    record has it, ``error`` only when a shape failed."""
     import pandas as pd
 
     rows = []
@@ -301,12 +317,19 @@ def shape_table(solve_dirs: Sequence[Path]) -> Any:
             "transition_us": _float_or_none(rec.get("transition_us")),
             "status": rec.get("status"), "gap": _float_or_none(rec.get("gap")),
             "placement_hash": rec.get("placement_hash"), "run_id": rec.get("run_id"),
-            "solve_dir": str(d)})
+            "solve_dir": str(d), "error": None})
     rows.sort(key=lambda r: (r["objective"], r["dims"], r["mesh"]))
+    for shape, reason in sorted((failed or {}).items(), key=lambda kv: (len(kv[0]), kv[0])):
+        names = ",".join(SHAPE_MESH_NAMES[len(shape)])
+        rows.append({"mesh": mesh_label(shape), "mesh_names": names,
+                     "dims": len(shape), "objective": math.nan, "step_time_us": None,
+                     "compute_us": None, "comm_us": None, "transition_us": None,
+                     "status": "failed", "gap": None, "placement_hash": None, "run_id": None,
+                     "solve_dir": None, "error": reason})
     for i, r in enumerate(rows, 1):
         r["rank"] = i
-    cols = [c for c in COLUMNS
-            if c != "step_time_us" or any(r["step_time_us"] is not None for r in rows)]
+    cols = [c for c in (*COLUMNS, "error")
+            if c not in ("step_time_us", "error") or any(r[c] is not None for r in rows)]
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -317,6 +340,7 @@ def _float_or_none(v: Any) -> float | None:
 def markdown_table(table: Any) -> str:
     """The table as GitHub markdown (µs with thousands separators, 3 decimals)."""
     shown = [c for c in table.columns if c not in ("solve_dir", "placement_hash")]
+    table = table.astype(object).where(table.notna(), None)
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     for _, row in table.iterrows():
         cells = []
@@ -326,9 +350,11 @@ def markdown_table(table: Any) -> str:
                 cells.append("" if v is None or (isinstance(v, float) and math.isnan(v))
                              else f"{v:,.3f}")
             elif c == "gap":
-                cells.append(f"{v:.4f}")
+                cells.append("" if v is None or math.isnan(v) else f"{v:.4f}")
+            elif v is None:
+                cells.append("")
             else:
-                cells.append(str(v))
+                cells.append(str(v).replace("|", "\\|"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -383,8 +409,9 @@ def plot_shapes(table: Any, path: Path, title: str) -> None:
         ax.set_xlabel("objective (µs, cost model)" if col == "objective"
                       else "step time (µs)")
         for yi, v in zip(y, values, strict=True):
-            if not math.isnan(v):
-                ax.text(v, yi, f" {v:,.0f}", va="center", fontsize=7)
+            ax.text(0 if math.isnan(v) else v, yi,
+                    " not planned (see the table's error)" if math.isnan(v) else f" {v:,.0f}",
+                    va="center", fontsize=7)
         ax.margins(x=0.15)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[d]) for d in sorted(set(table["dims"]))]
     axes[0][0].legend(handles, [f"{d}-D" for d in sorted(set(table["dims"]))], fontsize=7,
@@ -418,8 +445,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
         return 2
-    print(f"shapes: {len(table)} shapes, best {table.iloc[0]['mesh']} "
-          f"({table.iloc[0]['objective']:,.3f} µs) -> {sweep.out_dir}")
+    planned = table[table["status"] != "failed"]
+    best = (f"best {planned.iloc[0]['mesh']} ({planned.iloc[0]['objective']:,.3f} µs)"
+            if len(planned) else "none planned")
+    print(f"shapes: {len(table)} shapes, {len(table) - len(planned)} not planned, {best} "
+          f"-> {sweep.out_dir}")
     return 0
 
 

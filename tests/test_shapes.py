@@ -177,3 +177,49 @@ def test_toy_sweep_end_to_end(jobs, toy_results, tmp_path_factory) -> None:
         assert by_mesh.loc[mesh, "objective"] == pytest.approx(run.record["objective"],
                                                                rel=1e-12)
         assert by_mesh.loc[mesh, "placement_hash"] == run.record["placement_hash"]
+
+
+@pytest.mark.slow
+@pytest.mark.toy_runs(("mesh=8", "lazy_costs=true"))
+def test_a_shape_the_planner_refuses_is_a_failed_row(toy_results, tmp_path: Path,
+                                                     capsys) -> None:
+    """32 devices on one dim: the default input placement S(0) shards the toy batch of 16
+    over 32 devices, which DTensor cannot: the row says why, the sweep completes."""
+    results = tmp_path / "results"
+    toy_results.copy_run(results, "mesh=8", "lazy_costs=true", upto="trace")  # the trace
+    assert shapes.main(["world=32", "max_dims=1", "model=toy", f"results_dir={results}"]) == 0
+    assert "1 shapes, 1 not planned, none planned" in capsys.readouterr().out
+    (out,) = list((results / "shapes").glob("toy-*/w32-d1"))
+    table = pd.read_parquet(out / "shapes.parquet")
+    assert list(table["mesh"]) == ["32"] and list(table["status"]) == ["failed"]
+    assert table["objective"].isna().all()
+    assert table["error"][0].startswith("constraints.inputs: placement=S(0) is not a strategy")
+    assert "| 32 | dp | 1 |" in (out / "shapes.md").read_text()
+    assert (out / "shapes.png").exists()
+
+
+def test_table_puts_planned_shapes_first_and_failed_ones_last(tmp_path: Path) -> None:
+    dirs = []
+    for mesh, names, objective in (("2x4", ["dp", "tp"], 20.0), ("8", ["dp"], 10.0)):
+        d = tmp_path / mesh
+        d.mkdir()
+        (d / "run.json").write_text(json.dumps({
+            "mesh": mesh, "mesh_names": names, "objective": objective, "status": "Optimal",
+            "gap": 0.0, "run_id": mesh, "placement_hash": "h", "compute_us": 1.0,
+            "comm_us": 2.0, "transition_us": 3.0}))
+        dirs.append(d)
+    table = shapes.shape_table(dirs, {(2, 2, 2): "no plan | fits"})
+    assert list(table["mesh"]) == ["8", "2x4", "2x2x2"]
+    assert list(table["rank"]) == [1, 2, 3]
+    assert list(table["status"]) == ["Optimal", "Optimal", "failed"]
+    assert list(table["error"])[2] == "no plan | fits"
+    assert "step_time_us" not in table.columns
+    md = shapes.markdown_table(table)
+    assert "| 3 | 2x2x2 | dp,cp,tp | 3 |  |  |  |  | failed |  |  | no plan \\| fits |" in md
+    # a run record with the step time gives the column
+    rec = json.loads((dirs[0] / "run.json").read_text())
+    (dirs[0] / "run.json").write_text(json.dumps({**rec, "step_time_us": 25.0}))
+    table = shapes.shape_table(dirs)
+    assert list(table["mesh"]) == ["8", "2x4"]
+    assert table["step_time_us"].isna().tolist() == [True, False]
+    assert table["step_time_us"][1] == 25.0
