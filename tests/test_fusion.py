@@ -140,7 +140,7 @@ def test_fusion_is_bounded_by_what_a_fused_kernel_moves(toy) -> None:
     for _ in range(3):
         strat = [int(rng.integers(toy.nodes["num_strategies"][v])) for v in range(n)]
         fused = np.zeros(n)
-        for e, (u, el, v, a) in enumerate(on.edges):
+        for e, (u, _, v, _) in enumerate(on.edges):
             r, c, t = on.edge_table(e)
             t0 = off.edge_table(e)[2]
             i, j = int(r[strat[u]]), int(c[strat[v]])
