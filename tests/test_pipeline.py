@@ -671,8 +671,24 @@ class DTensorChecker:
         found, detail = self._in_strategy_fn(schema, output, given)
         if found:
             return "ok-strategy-fn", f"propagation prefers {got} <- {wanted}"
+        if self._is_extra(node, output, inputs):
+            # context-parallel attention / vocab-parallel cross-entropy: not DTensor's,
+            # exact by tests/test_strategies_cp_loss.py
+            return "extra", f"pipeline/topology/extra_strategies.py ({got} <- {wanted})"
         return "bad", (f"propagation gives {got} and wants inputs {wanted}; strategy "
                        f"function: {detail}")
+
+    def _is_extra(self, node: int, output: str, inputs: list[str]) -> bool:
+        """Whether (output, inputs) is one of the strategies the topology appends to
+        DTensor's for this op (an op of ``EXTRA_RULES``, and in its strategy list)."""
+        from pipeline.topology.extra_strategies import EXTRA_RULES
+
+        n = self.tt.nodes
+        if n["target"][node] not in EXTRA_RULES:
+            return False
+        s = n["slist"][node]
+        return any(o == output and list(i) == list(inputs) for o, i in
+                   zip(self.tt.slist_outputs[s], self.tt.slist_inputs[s]))
 
     def _in_strategy_fn(self, schema: Any, output: str, inputs: list[str]) -> tuple[bool, str]:
         from torch.distributed.tensor._op_schema import OpStrategy
