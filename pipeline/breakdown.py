@@ -2,16 +2,21 @@
 
 For a strategy ``x`` (one index per node) the objective of pipeline/costs.py splits as
 
-    E(x) = sum_v compute_v + sum_v comm_v + sum_v transition_v
+    E(x) = sum_v compute_v + sum_v comm_v + sum_v transition_v + sum_v fusion_v
 
-* ``compute_v = U_v(x_v)``, the node's unary;
-* ``comm_v``: over the incoming edges e = (u, v, a) of v, the redistribution cost of
+* ``compute_v = U_v(x_v)``, the node's unary, less the collectives its strategy issues
+  inside the op (a vocab-parallel softmax's all-reduces, pipeline/costmodel/op_comm.py),
+  which count in ``comm_v``;
+* ``comm_v``: those collectives plus, over the incoming edges e = (u, v, a) of v, the
+  redistribution cost of
   u's output placement under ``x_u`` into v's expected placement for argument a under
   ``x_v`` (``inf`` for a pair DTensor forbids), times the number of times it runs
   (2 for a forward edge activation checkpointing recomputes, else 1:
   ``CostModel.edge_times``);
 * ``transition_v``: the transition cost 1.0 per incoming edge whose two placements
-  differ.
+  differ;
+* ``fusion_v`` (<= 0): the pointwise-fusion term of v's incoming edges
+  (pipeline/costmodel/fusion.py; 0 when ``costs.fuse_pointwise=false``).
 
 Each edge is costed for its chosen pair with the scalar
 :func:`~pipeline.costmodel.redistribute.redistribute_steps` (bit-identical to the table
@@ -35,8 +40,8 @@ class PlanBreakdown:
     """The parts of a plan's objective (µs) and its redistributions.
 
     Attributes:
-        compute_us, comm_us, transition_us: float64 ``[num_nodes]``, see the module
-            docstring; their sums add up to the objective.
+        compute_us, comm_us, transition_us, fusion_us: float64 ``[num_nodes]``, see the
+            module docstring; their sums add up to the objective.
         redistributions: one dict per graph edge whose producer and consumer
             placements differ, in graph-edge order: ``producer``, ``element``,
             ``consumer``, ``arg``, ``shape``, ``dtype``, ``src_placement``,
@@ -51,6 +56,11 @@ class PlanBreakdown:
     comm_us: np.ndarray
     transition_us: np.ndarray
     redistributions: list[dict[str, Any]] = field(default_factory=list)
+    fusion_us: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.fusion_us is None:
+            self.fusion_us = np.zeros_like(self.compute_us)
 
 
 def plan_breakdown(cost_model: Any, strategy: np.ndarray,
@@ -72,7 +82,14 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
     strat = strategy.tolist()
     compute = np.array([cost_model.unary(v)[strat[v]] for v in range(n)])
     comm = np.zeros(n)
+    for v in range(n):
+        inside = cost_model.op_comm(v)
+        if inside is not None:
+            compute[v] -= inside[strat[v]]
+            comm[v] += inside[strat[v]]
     trans = np.zeros(n)
+    fusion = np.zeros(n)
+    fuse = getattr(cost_model, "fusion", None)
     rows: list[dict[str, Any]] = []
     classes = cost_model.edge_classes().tolist()
     # (edge class, src class, dst class) -> (µs, differ, row fields of a redistribution)
@@ -109,14 +126,19 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
                     "collective_steps": coll,
                     "bytes": 0 if steps is None else int(sum(st.bytes for st in steps)),
                     "times": times, "comm_us": us}
-            hit = memo[(ec, i, j)] = (us, src != dst, fields)
-        us, differ, fields = hit
+            fused = 0.0
+            if fuse is not None:
+                fused = float(fuse.add_term(e, np.zeros((len(srcs), len(dsts))), srcs,
+                                            dsts)[i, j])
+            hit = memo[(ec, i, j)] = (us, src != dst, fields, fused)
+        us, differ, fields, fused = hit
         comm[v] += us
+        fusion[v] += fused
         if differ:
             trans[v] += TRANSITION_COST
             rows.append({"producer": int(u), "element": int(element), "consumer": int(v),
                          "arg": int(a), **fields})
-    return PlanBreakdown(compute, comm, trans, rows)
+    return PlanBreakdown(compute, comm, trans, rows, fusion)
 
 
 _DTYPE_OF_ITEMSIZE = {8: "float64", 4: "float32", 2: "bfloat16"}

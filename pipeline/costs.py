@@ -12,7 +12,12 @@ Objective (the same words as pipeline/solvers/mrf.py)::
 * ``B_e(i, j)`` for edge e = (producer u, consumer v, argument a): the cost of
   redistributing u's output placement under i into v's expected placement for
   argument a under j (pipeline/costmodel/redistribute.py; +inf when DTensor
-  forbids it), plus the transition cost 1.0 when the two placements differ.
+  forbids it), plus the transition cost 1.0 when the two placements differ, plus
+  (``costs.fuse_pointwise``) the pointwise-fusion term: minus the launch floor and
+  the read of the intermediate a fused consumer saves when both ends are
+  elementwise and the redistribution is the identity (pipeline/costmodel/fusion.py).
+* ``U_v`` also holds the collectives a strategy issues inside its op: the
+  all-reduces of a vocab-parallel softmax (pipeline/costmodel/op_comm.py).
 
 A node's strategies map onto *placement classes*: its distinct output
 placements (rows) and, per argument, its distinct expected input placements
@@ -128,11 +133,14 @@ class CostModel:
         collectives: FSDP2's collective semantics
             (:class:`pipeline.costmodel.fsdp.CollectiveOptions`: buckets, re-gather,
             reduce dtype); None: every collective as DTensor issues it alone.
+        fuse_pointwise: add the pointwise-fusion term to the edge tables
+            (pipeline/costmodel/fusion.py; ``costs.fuse_pointwise``).
     """
 
     def __init__(self, topology: TopologyTables, hw: Any, memoise: bool,
                  recompute: tuple[np.ndarray, np.ndarray] | None = None,
-                 collectives: Any = None):
+                 collectives: Any = None,
+                 fuse_pointwise: bool = False):
         self.topology = topology
         self.hw = hw
         self.memoise = memoise
@@ -155,10 +163,17 @@ class CostModel:
         self._in_cls: dict[tuple[int, int], tuple[np.ndarray, list]] = {}
         self._unary_memo: dict[str, np.ndarray] = {}
         self._unary_of: list[np.ndarray | None] = [None] * self.num_nodes
+        self._unary_key: list[str | None] = [None] * self.num_nodes
+        self._op_comm_memo: dict[str, np.ndarray | None] = {}
         self._table_memo: dict[tuple, np.ndarray] = {}
         e = topology.edges
         self.edges = list(zip(e["producer"], e["element"], e["consumer"], e["arg"]))
         self._edge_cls: np.ndarray | None = None
+        self.fusion = None
+        if fuse_pointwise:
+            from pipeline.costmodel.fusion import PointwiseFusion
+
+            self.fusion = PointwiseFusion(self)
         if recompute is None:
             self.node_times = np.ones(self.num_nodes, dtype=np.int64)
             self.edge_times = np.ones(len(self.edges), dtype=np.int64)
@@ -224,7 +239,12 @@ class CostModel:
         times = int(self.node_times[node])
         hit = self._unary_memo.get(key)
         if hit is None:
-            hit = self._unary_memo[key] = self._unary_uncached(node)
+            hit = self._unary_uncached(node)
+            op_comm = self._op_comm_uncached(node)
+            if op_comm is not None:  # collectives inside the op (vocab-parallel softmax)
+                hit = hit + op_comm
+            self._unary_memo[key] = hit
+            self._op_comm_memo[key] = op_comm
             self.stats.unary_vectors += 1
         if times != 1:
             once = hit
@@ -232,7 +252,44 @@ class CostModel:
             if hit is None:
                 hit = self._unary_memo[f"{key}|x{times}"] = once * times
         self._unary_of[node] = hit
+        self._unary_key[node] = key
         return hit
+
+    def op_comm(self, node: int) -> np.ndarray | None:
+        """The part of ``unary(node)`` that is communication inside the op (µs per
+        strategy, times ``node_times``): the all-reduces of a vocab-parallel softmax
+        (pipeline/costmodel/op_comm.py); None when the op issues none."""
+        self.unary(node)
+        key = self._unary_key[node]
+        if key is None:
+            return None
+        once = self._op_comm_memo.get(key)
+        times = int(self.node_times[node])
+        return once if once is None or times == 1 else once * times
+
+    def _op_comm_uncached(self, node: int) -> np.ndarray | None:
+        from pipeline.costmodel.op_comm import SOFTMAX_ALL_REDUCES, op_collectives, op_comm_us
+
+        target = self.target[node]
+        if target not in SOFTMAX_ALL_REDUCES:
+            return None
+        s = self.slist[node]
+        outs, ins = self.topology.slist_outputs[s], self.topology.slist_inputs[s]
+        in_meta = self.in_metas[node][0]
+        out_meta = next(m for m in self.out_metas[node] if m)
+        args = json.loads(self.args[node])
+        size = itemsize(out_meta["dtype"])
+        memo: dict[str, float] = {}
+        costs = np.zeros(len(outs))
+        for k, i in enumerate(ins):
+            cost = memo.get(i[0])
+            if cost is None:
+                pl = parse_placements(i[0], self.ndim)
+                coll = op_collectives(target, args, in_meta["shape"], pl,
+                                      local_shape(in_meta["shape"], pl, self.mesh_shape), size)
+                cost = memo[i[0]] = op_comm_us(coll, self.mesh_shape, self.hw)
+            costs[k] = cost
+        return costs if costs.any() else None
 
     def _unary_uncached(self, node: int) -> np.ndarray:
         from pipeline.costmodel.compute import is_view_op, op_flops, roofline_us
@@ -293,8 +350,10 @@ class CostModel:
     def _edge_key(self, e: int) -> tuple:
         u, element, v, a = self.edges[e]
         meta = self.in_metas[v][a]
-        return (tuple(meta["shape"]), meta["dtype"], self.slist[u], element, self.slist[v], a,
-                int(self.edge_times[e]), self.edge_collective_policy(e))
+        key = (tuple(meta["shape"]), meta["dtype"], self.slist[u], element, self.slist[v], a,
+               int(self.edge_times[e]), self.edge_collective_policy(e))
+        # pointwise fusion: what its term depends on beyond this key
+        return key if self.fusion is None else key + self.fusion.edge_key(e)
 
     def edge_collective_policy(self, e: int) -> tuple[int, float]:
         """``(reduce_itemsize, latency_scale)`` of edge ``e``'s collectives
@@ -320,7 +379,8 @@ class CostModel:
 
     def edge_table(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(row_cls [K_u], col_cls [K_v], table [R, C])`` of graph edge ``e`` (µs): the
-        redistribution times ``edge_times[e]``, plus the transition cost."""
+        redistribution times ``edge_times[e]``, plus the transition cost, plus the
+        pointwise-fusion term when it is on."""
         from pipeline.costmodel.redistribute import placements_differ, redistribute_table
 
         u, element, v, a = self.edges[e]
@@ -340,6 +400,9 @@ class CostModel:
                 table = table * times
             differ = placements_differ(srcs, dsts)
             table = table + np.where(differ, TRANSITION_COST, 0.0)
+            # ---- pointwise fusion (pipeline/costmodel/fusion.py): its term, one call ----
+            if self.fusion is not None:
+                table = self.fusion.add_term(e, table, srcs, dsts)
             self.stats.edge_tables += 1
             if self.memoise:
                 self._table_memo[key] = table
@@ -531,6 +594,7 @@ class Costs:
     record: dict[str, Any] = field(default_factory=dict)
     memory: Any = None
     collectives: Any = None
+    fuse_pointwise: bool = False
 
     def cost_model(self) -> CostModel:
         """The cost model to explain a plan with (pipeline/breakdown.py): lazy, the one
@@ -540,7 +604,8 @@ class Costs:
             return self.factor_provider.cost_model
         recompute = self.memory.recompute() if self.memory is not None else None
         return CostModel(self.topology, self.hardware, memoise=True, recompute=recompute,
-                         collectives=self.collectives)
+                         collectives=self.collectives,
+                         fuse_pointwise=self.fuse_pointwise)
 
     def factor_counts(self) -> dict[str, int | None]:
         """Unary vectors, edge tables and group factors materialised, and their total:
@@ -560,7 +625,8 @@ class Costs:
 def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
               param_memory: dict[str, Any] | None = None, memory: Any = None,
               device_memory: tuple[int | None, str | None] = (None, None),
-              collectives: Any = None) -> Costs:
+              collectives: Any = None,
+              fuse_pointwise: bool = False) -> Costs:
     """The complete group MRF of a topology; lazy leaves pairwise factors to first use.
 
     ``param_memory``: ``constraints.param_memory`` as plain data (``{low, high}``), or
@@ -570,6 +636,7 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
     ``constraints.device_memory`` or ``(None, None)`` for no device-memory row.
     ``collectives``: the :class:`~pipeline.costmodel.fsdp.CollectiveOptions` (FSDP2
     buckets, re-gather, reduce dtype), or None for DTensor's one collective per tensor.
+    ``fuse_pointwise``: the pointwise-fusion term (``costs.fuse_pointwise``).
 
     Raises:
         PlanError: the pins leave the budget infeasible, or no allowed plan fits the
@@ -584,7 +651,8 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
                              device_memory[0], device_memory[1])
     cost_model = CostModel(topology, hw, memoise=lazy,
                            recompute=model.recompute() if model is not None else None,
-                           collectives=collectives)
+                           collectives=collectives,
+                           fuse_pointwise=fuse_pointwise)
     provider = FactorProvider(cost_model, groups)
     mrf = MRF(domain_sizes=groups.domain.copy(), unary=provider.unaries(),
               edges=groups.edges.copy(), factor=provider.factor)
@@ -604,7 +672,8 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
         mrf.linear_constraints = [*mrf.linear_constraints, memory_row(coef, model.limit)]
     if not lazy:
         provider.materialise_all()
-    return Costs(mrf, budget, provider, topology, hw, memory=model, collectives=collectives)
+    return Costs(mrf, budget, provider, topology, hw, memory=model, collectives=collectives,
+                 fuse_pointwise=fuse_pointwise)
 
 
 def allowed_unaries(mrf: MRF) -> list[np.ndarray]:
@@ -640,13 +709,20 @@ def memory_config(cfg: Any) -> dict[str, Any]:
             "collectives": collective_options_of_config(cfg)}
 
 
+def fuse_pointwise_config(cfg: Any) -> bool:
+    """``costs.fuse_pointwise`` of a resolved config (False when the key is absent)."""
+    costs = cfg.get("costs")
+    return bool(costs.get("fuse_pointwise", False)) if costs is not None else False
+
+
 def load_costs(cfg: Any, topology: TopologyTables, costs_dir: Path) -> Costs:
     """The costs of a run for the solve stage: eager, the MRF of ``factors.npz`` and the
     budget facts of ``costs.json``; lazy, :func:`build_mrf` (factors on first use)."""
     record = artifacts.read_json(COSTS, costs_dir)
     if bool(cfg.lazy_costs):
         costs = build_mrf(topology, cfg.hardware, lazy=True,
-                          param_memory=param_memory_config(cfg), **memory_config(cfg))
+                          param_memory=param_memory_config(cfg), **memory_config(cfg),
+                          fuse_pointwise=fuse_pointwise_config(cfg))
     else:
         from pipeline.memory import memory_model
 
@@ -660,7 +736,8 @@ def load_costs(cfg: Any, topology: TopologyTables, costs_dir: Path) -> Costs:
         model = memory_model(topology, groups.group_of, groups.domain, mem["memory"],
                              *mem["device_memory"])
         costs = Costs(mrf, budget, None, topology, cfg.hardware, memory=model,
-                      collectives=mem["collectives"])
+                      collectives=mem["collectives"],
+                      fuse_pointwise=fuse_pointwise_config(cfg))
     costs.record = record
     return costs
 
@@ -677,7 +754,8 @@ def run_costs(cfg: Any, topology_dir: Path, out_dir: Path) -> None:
     if not lazy:
         start = time.perf_counter()
         costs = build_mrf(read_topology(Path(topology_dir)), hw, lazy=False,
-                          param_memory=param_memory_config(cfg), **memory_config(cfg))
+                          param_memory=param_memory_config(cfg), **memory_config(cfg),
+                          fuse_pointwise=fuse_pointwise_config(cfg))
         provider = costs.factor_provider
         pairwise = [costs.mrf.factor(e) for e in range(costs.mrf.num_edges)]  # built above
         save_factors(FACTORS.path(out_dir), costs.mrf, pairwise)

@@ -421,6 +421,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
         "compute_us": float(parts.compute_us.sum()),
         "comm_us": float(parts.comm_us.sum()),
         "transition_us": float(parts.transition_us.sum()),
+        "fusion_us": float(parts.fusion_us.sum()),
         "lower_bound": bound,
         "lower_bound_source": source,
         "lower_bound_problem": BOUND_PROBLEM,
@@ -488,6 +489,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
         "compute_us": parts.compute_us,
         "comm_us": parts.comm_us,
         "transition_us": parts.transition_us,
+        "fusion_us": parts.fusion_us,
         **{k: (pa.array(v, pa.string()) if k == "memory_kind" else v)
            for k, v in memory_cols.items()},
     })

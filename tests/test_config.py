@@ -197,8 +197,13 @@ BAD_CASES = [
      "solver.max_iters=0: allowed an integer >= 1"),
     ("unknown-key", ["foo=1"], ["overrides=foo=1"],
      "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
-     "optimizer, constraints, memory, fsdp, mesh, mesh_names, lazy_costs, repeated_layers, "
-     "recipe, optimality_check, results_dir, experiment, revision_label, paper"),
+     "optimizer, constraints, memory, fsdp, costs, mesh, mesh_names, lazy_costs, "
+     "repeated_layers, recipe, optimality_check, results_dir, experiment, revision_label, "
+     "paper"),
+    ("fuse-maybe", ["costs.fuse_pointwise=maybe"], ["overrides=costs.fuse_pointwise=maybe"],
+     "costs.fuse_pointwise=maybe: allowed true, false"),
+    ("costs-unknown", ["costs.fuse=1"], ["overrides=costs.fuse=1"],
+     "costs.fuse=1: unknown key; allowed keys at costs: fuse_pointwise"),
     ("bool-2", ["repeated_layers=2"], ["repeated_layers=2"],
      "repeated_layers=2: allowed true, false"),
 ]
@@ -499,6 +504,9 @@ def test_a_changed_value_gives_a_new_path_below_its_level_only():
     assert ilp.costs == lp.costs and ilp.solve != lp.solve
     label = _dirs(["model=toy", "revision_label=v1", "experiment=null"])
     assert label == base
+    unfused = _dirs(["model=toy", "costs.fuse_pointwise=false"])
+    assert unfused.topology == base.topology and unfused.costs != base.costs
+    assert _dirs(["model=toy", "costs.fuse_pointwise=true"]) == base  # the default
 
 
 def test_stage_dirs_are_the_same_across_processes_and_hash_seeds(tmp_path):

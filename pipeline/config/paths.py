@@ -59,21 +59,25 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "trace": ("model",),
     "topology": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "recipe"),
     "costs": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "recipe",
-              "hardware", "lazy_costs", "optimizer", "memory", "fsdp", "device_memory"),
+              "hardware", "lazy_costs", "optimizer", "memory", "fsdp", "device_memory",
+              "costs"),
     "solve": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "recipe",
               "hardware",
-              "lazy_costs", "optimizer", "memory", "fsdp", "device_memory", "solver",
-              "optimality_check"),
+              "lazy_costs", "optimizer", "memory", "fsdp", "device_memory", "costs",
+              "solver", "optimality_check"),
     "report": ("results_dir",),
 }
 
-#: The memory model's keys enter a directory's hash only when they differ from these
-#: defaults, so runs that do not set them keep their directories.
+#: The memory model's keys and the cost-model options (``costs``) enter a directory's
+#: hash only when they differ from these defaults, so runs that do not set them keep
+#: their directories.
 MEMORY_KEY_DEFAULTS: dict[str, Any] = {
     "optimizer": {"name": "adamw", "momentum": 0.0, "state_dtype": "float32"},
     "memory": {"activation_checkpointing": "none"},
     "fsdp": {"reshard_after_forward": True, "bucket_collectives": True},
     "device_memory": None,
+    # the cost-model options (``costs.*``), likewise
+    "costs": {"fuse_pointwise": True},
 }
 
 

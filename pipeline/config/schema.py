@@ -128,6 +128,20 @@ class ConstraintsConfig:
 
 
 @dataclass
+class CostsConfig:
+    """Cost-model options of the costs stage (``costs.*``).
+
+    Attributes:
+        fuse_pointwise: price a chain of elementwise ops with one placement as one
+            fused kernel: one launch floor, no re-read of the intermediates (a
+            pairwise term of the MRF, pipeline/costmodel/fusion.py). ``False``: every
+            kernel alone.
+    """
+
+    fuse_pointwise: bool = True
+
+
+@dataclass
 class PaperConfig:
     """The runs behind the paper's tables and figures (set by ``conf/experiment/paper*.yaml``;
     read by :mod:`pipeline.paper`, not part of any stage's key).
@@ -153,6 +167,7 @@ class Config:
         constraints: see :class:`ConstraintsConfig`.
         memory, fsdp: activation checkpointing and FSDP resharding
             (:class:`pipeline.memory.MemoryConfig`, :class:`pipeline.memory.FsdpConfig`).
+        costs: cost-model options, see :class:`CostsConfig`.
         mesh: device mesh shape: ``"2,4,8"``, ``"2x4x8"``, ``8`` or a list; resolved
             to a list of ints.
         mesh_names: one name per mesh dim (``None``: dp / dp,tp / dp,cp,tp by rank).
@@ -178,6 +193,7 @@ class Config:
     constraints: ConstraintsConfig = field(default_factory=ConstraintsConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
+    costs: CostsConfig = field(default_factory=CostsConfig)
     mesh: Any = "2,4,8"
     mesh_names: list[str] | None = None
     lazy_costs: bool | None = None
@@ -227,7 +243,8 @@ def schema_type(key: str) -> tuple[Any, bool] | None:
 #: Schema dataclasses by class name (OmegaConf names them in its errors).
 SCHEMAS: dict[str, Any] = {c.__name__: c for c in (
     Config, ModelConfig, HFModelConfig, CustomModelConfig, InputSpec, HardwareConfig,
-    SolverConfig, ConstraintsConfig, NodeConstraint, ParamMemoryConfig, PaperConfig)}
+    SolverConfig, ConstraintsConfig, NodeConstraint, ParamMemoryConfig, PaperConfig,
+    CostsConfig)}
 SCHEMAS["LinkConfig"] = typing.get_type_hints(HardwareConfig)["intra_node"]
 
 

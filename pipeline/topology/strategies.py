@@ -15,6 +15,10 @@ expected placement of each tensor argument:
   one ``OpSpec`` per reachable (output, expected inputs) combination.
 * a genuine op without any DTensor strategy falls back to all-Replicate
   (:meth:`StrategyEnumerator.op_strategies` marks the list ``fallback``).
+* the SDPA flash-attention ops and the cross-entropy ops (``_log_softmax``,
+  ``nll_loss``, their backwards) get strategies DTensor lacks appended after its own:
+  context-parallel attention and vocab-parallel cross-entropy
+  (pipeline/topology/extra_strategies.py).
 
 Placeholders, ``getitem`` and output sinks get their lists in
 pipeline/topology/problem.py.
@@ -176,6 +180,14 @@ class StrategyEnumerator:
                     result = self._full(op, node, metas)
         if result is None or len(result) == 0:
             result = self._replicate_only(node, metas)
+        else:
+            # context-parallel attention, vocab-parallel cross-entropy
+            # (pipeline/topology/extra_strategies.py)
+            from pipeline.topology.extra_strategies import with_extra_strategies
+
+            result = with_extra_strategies(result, node.target, node.args, metas,
+                                           node.outputs, node.tuple_output,
+                                           len(self.mesh_shape), self._shardable)
         self.cache[key] = result
         if text_key is not None:
             self.text_cache[text_key] = (result, tuple(metas))
