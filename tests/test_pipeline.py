@@ -402,7 +402,9 @@ def evaluate_plan(plan: list[dict], tt: Any, mesh: tuple[int, ...], hw: Any,
 
     comm, trans, texts = [], [], []
     e = tt.edges
-    for u, element, v, a in zip(e["producer"], e["element"], e["consumer"], e["arg"]):
+    reduce_size, share, times = _fsdp_policy(tt)
+    for k, (u, element, v, a) in enumerate(
+            zip(e["producer"], e["element"], e["consumer"], e["arg"])):
         src = plan[u]["output_placement"]
         if src.startswith("("):
             assert element >= 0, (plan[u]["name"], plan[v]["name"])
@@ -411,15 +413,91 @@ def evaluate_plan(plan: list[dict], tt: Any, mesh: tuple[int, ...], hw: Any,
                 src = "R" * nd
         dst = plan[v]["input_placements"][a]
         meta = json.loads(nodes["in_metas"][v])[a]
-        comm.append(float(redistribute_us(meta["shape"], _itemsize(meta["dtype"]),
-                                          parse_placements(src, nd), parse_placements(dst, nd),
-                                          mesh, hw)))
+        comm.append(times[k] * float(redistribute_us(
+            meta["shape"], _itemsize(meta["dtype"]), parse_placements(src, nd),
+            parse_placements(dst, nd), mesh, hw, reduce_itemsize=reduce_size[k],
+            latency_scale=share[k])))
         trans.append(1.0 if src != dst else 0.0)
         texts.append((src, dst))
     fusion = [0.0] * len(comm)
     if fuse:
         _add_fusion(fusion, plan, tt, mesh, hw, texts)
     return Evaluation(compute, comm, trans, texts, op_comm, fusion)
+
+
+def _fsdp_policy(tt: Any) -> tuple[list[int], list[float], list[int]]:
+    """Per graph edge, FSDP2's defaults written out from the graph alone: the reduce
+    itemsize (4, float32, on a bf16 tensor that flows only into parameter gradients), the
+    latency share (1 / the parameters of its unit: the ``layer`` of a repeated layer, else
+    the first name of the parameter's fqn) of an edge out of a parameter, out of a forward
+    op computed from parameters only, or carrying a parameter gradient, and the runs (2
+    on the edges into a weight copy the backward reads and into its weight-only
+    ancestors: the re-gather)."""
+    n, e = tt.nodes, tt.edges
+    edges = list(zip(e["producer"], e["element"], e["consumer"], e["arg"]))
+    num = len(n["id"])
+
+    def unit(v: int) -> str:
+        layer = n["layer"][v]
+        return layer if isinstance(layer, str) and layer else n["fqn"][v].split(".")[0]
+
+    params = [v for v in range(num) if n["role"][v] == "param"]
+    size: dict[str, int] = {}
+    for v in params:
+        size[unit(v)] = size.get(unit(v), 0) + 1
+    ins: list[list[int]] = [[] for _ in range(num)]
+    outs: dict[tuple[int, int], list[int]] = {}
+    for u, el, v, _ in edges:
+        ins[v].append(u)
+        outs.setdefault((u, el), []).append(v)
+    # forward weight copies: forward ops all of whose inputs are parameters or copies
+    source: list[set[str] | None] = [None] * num  # units a weight value is made from
+    for v in range(num):
+        if n["role"][v] == "param":
+            source[v] = {unit(v)}
+        elif n["phase"][v] == "fwd" and n["target"][v] != "placeholder" and ins[v] and all(
+                source[u] is not None for u in ins[v]):
+            source[v] = set().union(*(source[u] for u in ins[v]))
+    # gradient values: backward values read only by parameter-gradient values / sinks
+    grad: list[set[str] | None] = [None] * num
+    for v in range(num - 1, -1, -1):
+        if n["role"][v] == "grad":
+            grad[v] = {unit(v)}
+        elif n["phase"][v] == "bwd" and n["target"][v] != "placeholder":
+            readers = [w for (u, _), ws in outs.items() if u == v for w in ws]
+            if readers and all(grad[w] is not None for w in readers):
+                grad[v] = set().union(*(grad[w] for w in readers))
+    reduce_size, share, times = [], [], []
+    for u, el, v, a in edges:
+        dtype = json.loads(n["in_metas"][v])[a]["dtype"]
+        units = None
+        is_grad = False
+        if source[u] is not None:
+            units = source[u]
+        elif n["phase"][u] == "bwd" and n["role"][u] != "grad" and all(
+                grad[w] is not None for w in outs[(u, el)]):
+            units = set().union(*(grad[w] for w in outs[(u, el)]))
+            is_grad = True
+        one = units is not None and len(units) == 1
+        share.append(1.0 / size[next(iter(units))] if one else 1.0)
+        reduce_size.append(4 if is_grad and one and dtype == "bfloat16" else 0)
+    # the re-gather: copies a backward op reads, and the edges that make them
+    regather = [False] * len(edges)
+    stack = [u for u, _, v, _ in edges
+             if n["phase"][v] == "bwd" and source[u] is not None and n["role"][u] != "param"]
+    seen: set[int] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for k, (u, _, w, _) in enumerate(edges):
+            if w == v:
+                regather[k] = True
+                if n["role"][u] != "param":
+                    stack.append(u)
+    times = [2 if r else 1 for r in regather]
+    return reduce_size, share, times
 
 
 def _add_fusion(fusion: list[float], plan: list[dict], tt: Any, mesh: tuple[int, ...],
