@@ -121,6 +121,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
+AccountingStoreFlags=job_comment
 JobAcctGatherType=jobacct_gather/none
 MinJobAge=3600
 NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus SocketsPerBoard=${sockets:-1} CoresPerSocket=${cores:-$cpus} ThreadsPerCore=${threads:-1} RealMemory=$mem State=UNKNOWN
