@@ -22,41 +22,16 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from toy_sweep import CONFIGS, MESHES, NAME, SOLVERS, checkout_with_sweep
 
 from pipeline.config import load_resolved, stage_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
-ROOT = Path(__file__).resolve().parent.parent
 SKIP_ENV = "PLANNER_SKIP_SLURM"
 #: The log .ci/run keeps of tests/slurm/start-cluster.sh (its last line is the reason).
 START_LOG_ENV = "PLANNER_SLURM_START_LOG"
-MESHES = ("8", "2x4")
-SOLVERS = ("approx", "ilp")
-CONFIGS = [(f"mesh={m}", f"solver={s}") for m in MESHES for s in SOLVERS]
 TIMEOUT_S = 900
-
-#: The sweep as a paper experiment (every run set is the sweep, or a run of it), so that
-#: one Snakemake invocation has all four runs as jobs of the stage rules.
-EXPERIMENT = """\
-# @package _global_
-defaults:
-  - override /model: toy
-  - override /solver: approx
-experiment: slurm_sweep
-paper:
-  table_mesh: 2x4
-  runs:
-    eager_vs_lazy:
-      - mesh=8,2x4
-      - solver=approx,ilp
-    solvers:
-      - mesh=8,2x4
-      - solver=approx,ilp
-    depth:
-      - mesh=2x4
-      - solver=approx
-"""
 
 #: Jobs of the Snakemake sweep per rule, by hand: one trace; a topology per mesh; per
 #: mesh lazy costs (approx) and eager costs (ilp); a solve per run.
@@ -126,11 +101,7 @@ def sweeps(cluster, tmp_path_factory) -> dict:
     """Both sweeps, started together: {'snakemake': ..., 'hydra': ...}, each with its
     results directory and completed process."""
     base = tmp_path_factory.mktemp("slurm")
-    checkout = base / "checkout"  # a copy of the code, with the sweep as an experiment
-    for part in ("pipeline", "conf", "workflow"):
-        shutil.copytree(ROOT / part, checkout / part,
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (checkout / "conf" / "experiment" / "slurm_sweep.yaml").write_text(EXPERIMENT)
+    checkout = checkout_with_sweep(base / "checkout")
     smk_dir, hydra_dir = base / "snakemake", base / "hydra"
     smk_dir.mkdir()
     hydra_dir.mkdir()
@@ -141,7 +112,7 @@ def sweeps(cluster, tmp_path_factory) -> dict:
         "snakemake": ([sys.executable, "-m", "snakemake",
                        "--snakefile", str(checkout / "workflow" / "Snakefile"),
                        "--profile", str(checkout / "workflow" / "profiles" / "slurm"),
-                       *RESOURCES, *targets, "--config", "experiment=slurm_sweep",
+                       *RESOURCES, *targets, "--config", f"experiment={NAME}",
                        f"results_dir={smk_results}"], smk_dir),
         "hydra": ([sys.executable, "-m", "pipeline", "-m", "hydra/launcher=slurm",
                    f"hydra.launcher.name={hydra_name}", "hydra.launcher.mem_gb=1",
