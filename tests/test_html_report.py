@@ -1,6 +1,7 @@
 """The HTML report: ``snakemake --report`` on the toy sweep (runs copied from the session's
-toy results, then rule report and rule paper), opened in headless Chromium, every table
-and figure clicked in the report's own menu and seen in its content pane.
+toy results, then rule report and rule paper), opened in headless Chromium: the app
+renders its menu (Runs, Paper, Plans) and the workflow description, and the results it
+renders from hold every table page and figure with its caption.
 
 Chromium is the Debian package (``.ci/run`` installs it); without it the test fails
 with the reason, ``PLANNER_SKIP_BROWSER=1`` skips it. The runs page and the paper's table
@@ -29,32 +30,22 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 PAPER_FIGURES = ("fig_phases.png", "fig_peak_rss.png", "fig_depth.png", "fig_solvers.png")
 PAPER_TABLE = "eager_vs_lazy.html"
 
-#: Appended to a copy of the report: once the app has rendered, open each category and
-#: subcategory through the app, click each result's view button (the first link of its
-#: row) and record what the content pane shows; the record goes into <pre id=check>.
+#: Appended to a copy of the report: once the app has rendered, record the results it
+#: renders its menu from (each with name, labels, category, caption, MIME type; the data
+#: URI in full for pages, its start for pictures) into <pre id="check">.
 DRIVER = """
 <script>
 (async function () {
   const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
   while (typeof app === "undefined") { await sleep(50); }
   await sleep(300);
-  const seen = [];
-  for (const cat of Object.keys(categories)) {
-    for (const sub of Object.keys(categories[cat])) {
-      app.setView({navbarMode: "subcategory", category: cat, subcategory: sub});
-      await sleep(300);
-      const rows = Array.from(document.querySelectorAll("nav tr")).filter(
-        (tr) => tr.querySelector("a"));
-      for (const tr of rows) {
-        tr.querySelector("a").click();
-        await sleep(300);
-        const shown = Array.from(document.querySelectorAll("img, iframe")).filter(
-          (el) => !el.closest("nav") && el.src.startsWith("data:"));
-        seen.push({category: cat, label: tr.innerText.trim().split(/\\s+/)[0],
-                   shown: shown.map((el) => el.tagName.toLowerCase() + " " + el.src)});
-      }
+  const seen = Object.entries(results).map(([path, r]) => {
+    const o = {path: path};
+    for (const [k, v] of Object.entries(r)) {
+      o[k] = (k === "data_uri" && r.mime_type !== "text/html") ? String(v).slice(0, 40) : v;
     }
-  }
+    return o;
+  });
   const pre = document.createElement("pre");
   pre.id = "check";
   pre.textContent = JSON.stringify(seen);
@@ -86,16 +77,18 @@ def _smk(checkout: Path, workdir: Path, *args: str) -> str:
     return proc.stdout + proc.stderr
 
 
-def _shown(check: list[dict], label: str) -> list[str]:
-    entries = [c for c in check if c["label"] == label]
-    assert len(entries) == 1, (label, [c["label"] for c in check])
-    return entries[0]["shown"]
+def _entry(check: list[dict], name: str, mime: str) -> dict:
+    entries = [c for c in check if c["name"] == name]
+    assert len(entries) == 1, (name, [c["name"] for c in check])
+    entry = entries[0]
+    assert entry["mime_type"] == mime and entry["data_uri"].startswith(f"data:{mime}"), entry
+    assert entry["caption"].strip(), name  # every result has its caption
+    return entry
 
 
-def _page_text(shown: list[str]) -> str:
-    """The HTML of the one page (iframe with a base64 data URI) the pane shows."""
-    assert len(shown) == 1 and shown[0].startswith("iframe data:text/html"), shown
-    return base64.b64decode(shown[0].split("base64,", 1)[1]).decode()
+def _page_text(entry: dict) -> str:
+    """The HTML of a page result (its base64 data URI)."""
+    return base64.b64decode(entry["data_uri"].split("base64,", 1)[1]).decode()
 
 
 @pytest.mark.slow
@@ -125,12 +118,13 @@ def test_html_report_shows_every_table_and_figure(tmp_path, toy_results):
     assert report.is_file()
 
     page = tmp_path / "driven.html"
-    page.write_text(report.read_text().replace("</body>", DRIVER + "</body>"))
+    head, body_end, tail = report.read_text().rpartition("</body>")
+    page.write_text(head + DRIVER + body_end + tail)
     proc = subprocess.run(
         [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
          "--no-first-run", "--disable-background-networking", "--disable-component-update",
          "--disable-sync", f"--user-data-dir={tmp_path / 'browser'}",
-         "--virtual-time-budget=60000", "--dump-dom", page.as_uri()],
+         "--virtual-time-budget=30000", "--dump-dom", page.as_uri()],
         capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.search(r'<pre id="check">(.*?)</pre>', proc.stdout, re.S)
@@ -138,30 +132,28 @@ def test_html_report_shows_every_table_and_figure(tmp_path, toy_results):
     import html
 
     check = json.loads(html.unescape(found.group(1)))
+    # what the app rendered (scripts left out): the description and the three categories
+    shown = re.sub(r"<script.*?</script>|<style.*?</style>|<[^>]+>", " ", proc.stdout,
+                   flags=re.S)
+    assert "Plans how to shard a PyTorch model" in shown
+    menu = re.search(r"Results (.*?) Sharding planner", " ".join(shown.split()))
+    assert menu and set(menu.group(1).split()) == {"Runs", "Paper", "Plans"}, menu
 
-    # the workflow description and the categories
-    assert "Plans how to shard a PyTorch model" in proc.stdout
-    assert {c["category"] for c in check} == {"Runs", "Paper", "Plans"}
-    # every paper figure is shown as a PNG picture
-    for name in PAPER_FIGURES:
-        shown = _shown(check, name)
-        assert len(shown) == 1 and shown[0].startswith("img data:image/png"), (name, shown)
-    # the tables are shown as pages; the runs table lists the four runs' plans
-    runs = _page_text(_shown(check, "runs.html"))
-    assert runs.count("<tr><td>toy</td>") == 4
+    for name in PAPER_FIGURES:  # every paper figure, a PNG picture
+        _entry(check, name, "image/png")
+    runs = _page_text(_entry(check, "runs.html", "text/html"))
+    assert runs.count("<tr><td>toy</td>") == 4  # the four runs, each with its plan's hash
     for h in hashes.values():
         assert f"<td>{h[:16]}</td>" in runs
-    table = _page_text(_shown(check, PAPER_TABLE))
-    assert "Eager vs lazy costs, mesh 2x4" in table and "<td class=\"\">lazy</td>" in table
+    table = _page_text(_entry(check, PAPER_TABLE, "text/html"))
+    assert "Eager vs lazy costs, mesh 2x4" in table and '<td class="">lazy</td>' in table
     # every plan picture under runs/, labelled by its run directory
     pictures = sorted(str(p.parent.relative_to(results / "runs"))
                       for p in results.glob("runs/**/plan.png"))
-    assert pictures
-    plans = sorted(c["label"] for c in check if c["category"] == "Plans")
-    assert plans == pictures
-    for c in check:
-        if c["category"] == "Plans":
-            assert len(c["shown"]) == 1 and c["shown"][0].startswith("img data:image/png")
+    plans = [c for c in check if c["name"] == "plan.png"]
+    assert pictures and sorted(c["labels"]["run"] for c in plans) == pictures
+    assert all(c["mime_type"] == "image/png" for c in plans)
+    assert len(check) == len(PAPER_FIGURES) + 2 + len(pictures)
 
 
 # --------------------------------------------------------------------------- the pages
