@@ -18,13 +18,13 @@ rule paper:
         paper_run_records,
     output:
         paper_rule_outputs(),
+        table=paper_md(),
     params:
         overrides=PAPER_OVERRIDES,
         code=stage_code("paper"),
-        table=paper_md(),
         page=paper_page(),
     log:
         paper_log(),
     shell:
         "python -m pipeline.paper --no-run {params.overrides:q} > {log} 2>&1 && "
-        "python -m pipeline.report_html table {params.table:q} {params.page:q} >> {log} 2>&1"
+        "python -m pipeline.report_html table {output.table:q} {params.page:q} >> {log} 2>&1"
