@@ -8,11 +8,11 @@ written as small self-contained HTML pages:
   the columns a reader compares runs by (:data:`RUN_COLUMNS`: model, mesh, solver, cost
   mode, objective, bound, gap, status, search time, peak RSS, placement hash, run
   directory), sorted by model, device count, mesh, solver and cost mode;
-* ``<results_dir>/paper/<experiment>/eager_vs_lazy.html``: the paper's Markdown table
-  (a bold title, one pipe table, ``<sub>`` footers), with its column alignment.
+* ``<results_dir>/paper/<experiment>/<table>.html`` beside each of the paper's Markdown
+  tables (a bold title, one pipe table, ``<sub>`` footers), with its column alignment.
 
     python -m pipeline.report_html runs results/report/runs.parquet results/report/runs.html
-    python -m pipeline.report_html table results/paper/paper_toy/eager_vs_lazy.md out.html
+    python -m pipeline.report_html table results/paper/paper_toy/eager_vs_lazy.md ...  # -> .html beside
 
 Pages are written atomically. A missing or unreadable input: one line on stderr, exit
 status 2, nothing written.
@@ -194,18 +194,26 @@ def write_markdown_page(markdown: Path | str, out: Path | str) -> Path:
     return Path(out)
 
 
-_COMMANDS = {"runs": write_runs_page, "table": write_markdown_page}
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pipeline.report_html runs|table INPUT OUTPUT``; the exit code."""
+    """``python -m pipeline.report_html runs RUNS.parquet OUT.html`` or
+    ``... table TABLE.md [TABLE.md ...]`` (each page beside its table); the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 3 or args[0] not in _COMMANDS:
+    ok = (len(args) == 3 and args[0] == "runs") or (len(args) >= 2 and args[0] == "table")
+    if not ok:
         print(f"python -m pipeline.report_html {' '.join(args)}: allowed "
-              f"'runs RUNS.parquet OUT.html' or 'table TABLE.md OUT.html'", file=sys.stderr)
+              f"'runs RUNS.parquet OUT.html' or 'table TABLE.md [TABLE.md ...]'",
+              file=sys.stderr)
         return 2
     try:
-        _COMMANDS[args[0]](args[1], args[2])
+        if args[0] == "runs":
+            write_runs_page(args[1], args[2])
+        else:
+            pages = [(md, Path(md).with_suffix(".html")) for md in args[1:]]
+            for md, _ in pages:  # every input readable before any page is written
+                if not Path(md).is_file():
+                    raise PageError(f"table={md}: not readable (No such file or directory)")
+            for md, page in pages:
+                write_markdown_page(md, page)
     except PageError as err:
         print(err, file=sys.stderr)
         return 2

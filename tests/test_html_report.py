@@ -27,8 +27,9 @@ from pipeline.report_html import PageError, main, markdown_page, runs_page
 SKIP_ENV = "PLANNER_SKIP_BROWSER"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 #: By hand: the paper's figures and table (pipeline/paper/experiment.py, ARTIFACTS).
-PAPER_FIGURES = ("fig_phases.png", "fig_peak_rss.png", "fig_depth.png", "fig_solvers.png")
-PAPER_TABLE = "eager_vs_lazy.html"
+PAPER_FIGURES = ("fig_phases.png", "fig_peak_rss.png", "fig_depth.png", "fig_solvers.png",
+                 "fig_plans.png")
+PAPER_TABLES = ("eager_vs_lazy.html", "plans.html")
 
 #: Appended to a copy of the report: once the app has rendered, record the results it
 #: renders its menu from (each with name, labels, category, caption, MIME type; the data
@@ -145,15 +146,17 @@ def test_html_report_shows_every_table_and_figure(tmp_path, toy_results):
     assert runs.count("<tr><td>toy</td>") == 4  # the four runs, each with its plan's hash
     for h in hashes.values():
         assert f"<td>{h[:16]}</td>" in runs
-    table = _page_text(_entry(check, PAPER_TABLE, "text/html"))
+    table = _page_text(_entry(check, PAPER_TABLES[0], "text/html"))
     assert "Eager vs lazy costs, mesh 2x4" in table and '<td class="">lazy</td>' in table
+    plans_table = _page_text(_entry(check, PAPER_TABLES[1], "text/html"))
+    assert plans_table.count("<tr>") >= 1 + 4  # the header and a row per plan
     # every plan picture under runs/, labelled by its run directory
     pictures = sorted(str(p.parent.relative_to(results / "runs"))
                       for p in results.glob("runs/**/plan.png"))
     plans = [c for c in check if c["name"] == "plan.png"]
     assert pictures and sorted(c["labels"]["run"] for c in plans) == pictures
     assert all(c["mime_type"] == "image/png" for c in plans)
-    assert len(check) == len(PAPER_FIGURES) + 2 + len(pictures)
+    assert len(check) == len(PAPER_FIGURES) + len(PAPER_TABLES) + 1 + len(pictures)
 
 
 # --------------------------------------------------------------------------- the pages
@@ -200,11 +203,12 @@ def test_markdown_page_keeps_alignment_bold_and_sub_and_escapes_the_rest():
 def test_pages_cli_bad_input_is_one_line_exit_2(tmp_path, capsys):
     out = tmp_path / "x.html"
     assert main(["runs", str(tmp_path / "missing.parquet"), str(out)]) == 2
-    assert main(["table", str(tmp_path / "missing.md"), str(out)]) == 2
+    assert main(["table", str(tmp_path / "missing.md")]) == 2
     assert main(["pictures", "a", "b"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 3
     assert lines[0].startswith(f"runs={tmp_path / 'missing.parquet'}: not a readable")
     assert lines[1] == f"table={tmp_path / 'missing.md'}: not readable (No such file or directory)"
-    assert lines[2].endswith("allowed 'runs RUNS.parquet OUT.html' or 'table TABLE.md OUT.html'")
-    assert not out.exists()
+    assert lines[2].endswith("allowed 'runs RUNS.parquet OUT.html' or "
+                             "'table TABLE.md [TABLE.md ...]'")
+    assert not out.exists() and not (tmp_path / "missing.html").exists()

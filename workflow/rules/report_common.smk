@@ -28,36 +28,30 @@ def report_rule_extra_outputs():
     return [report(runs_page(), caption=str(REPORT_CAPTIONS / "runs.rst"), category="Runs")] + pictures
 
 
-def paper_page():
-    """The eager-vs-lazy table of the paper as a page, beside its Markdown file."""
-    return str(Path(paper_md()).with_suffix(".html"))
+def paper_tables():
+    """The paper's Markdown tables (each gets a page beside it, <table>.html)."""
+    return [p for p in paper_outputs() if p.endswith(".md")]
 
 
-def paper_md():
-    return next(p for p in paper_outputs() if p.endswith("eager_vs_lazy.md"))
-
-
-def report_tables_before_sentinel():
-    """The report stage's outputs but its sentinel runs.parquet (named in the rule)."""
-    return [p for p in report_outputs() if p != stage_output("report")]
+def paper_pages():
+    return [str(Path(p).with_suffix(".html")) for p in paper_tables()]
 
 
 def paper_rule_outputs():
-    """The paper's files, figures flagged for the HTML report; under --report also the
-    table page."""
+    """The paper's files but its Markdown tables (named in the rule), figures flagged for
+    the HTML report; under --report also the table pages."""
     out = []
     for path in paper_outputs():
-        if path == paper_md():
-            continue  # named in the rule
-        name = Path(path).stem
+        if path.endswith(".md"):
+            continue
         if path.endswith(".png"):
-            out.append(report(path, caption=str(REPORT_CAPTIONS / f"{name}.rst"),
+            out.append(report(path, caption=str(REPORT_CAPTIONS / f"{Path(path).stem}.rst"),
                               category="Paper"))
         else:
             out.append(path)
     if REPORT_MODE:
-        out.append(report(paper_page(), caption=str(REPORT_CAPTIONS / "eager_vs_lazy.rst"),
-                          category="Paper"))
+        out += [report(p, caption=str(REPORT_CAPTIONS / f"{Path(p).stem}.rst"),
+                       category="Paper") for p in paper_pages()]
     return out
 
 
@@ -65,5 +59,5 @@ def report_extra_targets():
     """Extra inputs of the default target under --report (the paper, when it has been made)."""
     if not REPORT_MODE:
         return []
-    paper = paper_outputs() + [paper_page()]
+    paper = paper_outputs() + paper_pages()
     return paper if all(Path(p).is_file() for p in paper) else []
