@@ -12,7 +12,7 @@ written as small self-contained HTML pages:
   tables (a bold title, one pipe table, ``<sub>`` footers), with its column alignment.
 
     python -m pipeline.report_html runs results/report/runs.parquet results/report/runs.html
-    python -m pipeline.report_html table results/paper/paper_toy/eager_vs_lazy.md ...  # -> .html beside
+    python -m pipeline.report_html table results/paper/paper_toy/eager_vs_lazy.md  # + .html
 
 Pages are written atomically. A missing or unreadable input: one line on stderr, exit
 status 2, nothing written.
