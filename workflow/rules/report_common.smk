@@ -61,3 +61,8 @@ def report_extra_targets():
         return []
     paper = paper_outputs() + paper_pages()
     return paper if all(Path(p).is_file() for p in paper) else []
+
+
+def report_tables_before_sentinel():
+    """The report stage's outputs but its sentinel runs.parquet (named in the report rule)."""
+    return [p for p in report_outputs() if p != stage_output("report")]
