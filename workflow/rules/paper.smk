@@ -9,18 +9,21 @@
 # CLI and the same result directories as the --config run, so a run already made by
 # `snakemake`, `python -m pipeline` or a sweep is reused, and a run shared by several run
 # sets (or a trace shared by several runs) is one job. The experiment is composed only
-# when a job needs it.
+# when a job needs it. The rule also writes each table as a page for the HTML report
+# (workflow/rules/report.smk).
 
 
 rule paper:
     input:
         paper_run_records,
     output:
-        paper_outputs(),
+        paper_rule_outputs(),
+        tables=paper_tables(),
     params:
         overrides=PAPER_OVERRIDES,
         code=stage_code("paper"),
     log:
         paper_log(),
     shell:
-        "python -m pipeline.paper --no-run {params.overrides:q} > {log} 2>&1"
+        "python -m pipeline.paper --no-run {params.overrides:q} > {log} 2>&1 && "
+        "python -m pipeline.report_html table {output.tables:q} >> {log} 2>&1"
