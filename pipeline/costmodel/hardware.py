@@ -2,14 +2,28 @@
 
 :class:`HardwareConfig` is a Hydra structured config: only primitive fields and
 nested dataclasses, every field with a default (the defaults are H100 SXM values,
-the same as ``conf/hardware/h100.yaml``; that file cites a source per constant).
+the same as ``conf/hardware/h100.yaml``; each preset under ``conf/hardware/`` cites a
+source per constant).
 
-Units: FLOP/s for peaks, bytes/s for bandwidths, µs for latencies and floors.
-Collective bandwidths are NCCL *bus* bandwidths (NCCL docs, "performance.md"):
-the time of a ring collective on ``n`` ranks is
-``latency + factor(n) * bytes / bus_bw`` with ``factor = (n-1)/n`` for
-all-gather / reduce-scatter / all-to-all and ``2(n-1)/n`` for all-reduce; see
-:mod:`pipeline.costmodel.comm`.
+Units: FLOP/s for peaks, bytes/s for bandwidths, bytes for memory, µs for latencies and
+floors.
+
+Links. A node holds ``gpus_per_node`` GPUs joined by NVLink/NVSwitch and
+``nics_per_node`` scale-out NICs (rails) of ``nic_bandwidth`` bytes/s each (one
+direction). The two link tiers are :class:`LinkConfig` nodes:
+
+* ``intra_node.bandwidth``: the NCCL *bus* bandwidth (nccl-tests ``busbw``, NCCL docs /
+  nccl-tests ``doc/PERFORMANCE.md``) of a ring collective inside one node, bytes/s;
+  ``intra_node.latency_us``: the fixed cost of one such ring pass (all-gather,
+  reduce-scatter or all-to-all);
+* ``inter_node.bandwidth``: the bandwidth of one NIC, one direction, bytes/s (the bus
+  bandwidth of a ring with one GPU per node on one rail); ``inter_node.latency_us``:
+  the fixed cost of one ring pass whose group spans nodes.
+
+How a group laid out as (nodes spanned) x (members per node) turns these into one bus
+bandwidth per collective is :mod:`pipeline.costmodel.comm`. ``hierarchical_all_reduce``
+picks NCCL-style hierarchical all-reduce (intra reduce-scatter, inter all-reduce,
+intra all-gather) instead of the flat ring for groups that span nodes.
 
 The costs stage works with either a :class:`HardwareConfig` instance or the
 ``DictConfig`` Hydra builds from it: the cost functions only read attributes.
@@ -17,6 +31,7 @@ The costs stage works with either a :class:`HardwareConfig` instance or the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,74 +44,61 @@ __all__ = [
     "validate_hardware",
 ]
 
-#: Collective kinds with a bandwidth and latency in :class:`LinkConfig`.
+#: Collective kinds the cost model prices (:mod:`pipeline.costmodel.comm`).
 COLLECTIVES: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 @dataclass
 class LinkConfig:
-    """Per-collective NCCL bus bandwidth (bytes/s) and fixed latency (µs) of one link class.
+    """One link tier: bandwidth (bytes/s) and fixed latency of one ring pass (µs).
 
-    Defaults are the H100 SXM intra-node (NVLink 4 / NVSwitch, 8 GPUs) values.
+    ``intra_node``: NVLink bus bandwidth of a ring inside a node. ``inter_node``: the
+    bandwidth of one NIC in one direction. Defaults: H100 SXM NVLink 4 / NVSwitch.
     """
 
-    all_gather_bw: float = 390e9
-    all_gather_latency_us: float = 30.0
-    reduce_scatter_bw: float = 390e9
-    reduce_scatter_latency_us: float = 30.0
-    all_reduce_bw: float = 270e9
-    all_reduce_latency_us: float = 31.0
-    all_to_all_bw: float = 390e9
-    all_to_all_latency_us: float = 30.0
-
-    def bw(self, kind: str) -> float:
-        """Bus bandwidth in bytes/s of collective ``kind`` (one of :data:`COLLECTIVES`)."""
-        return float(getattr(self, f"{kind}_bw"))
-
-    def latency_us(self, kind: str) -> float:
-        """Fixed latency in µs of collective ``kind`` (one of :data:`COLLECTIVES`)."""
-        return float(getattr(self, f"{kind}_latency_us"))
+    bandwidth: float = 390e9
+    latency_us: float = 30.0
 
 
 def _inter_node_default() -> LinkConfig:
-    return LinkConfig(
-        all_gather_bw=50e9,
-        all_gather_latency_us=40.0,
-        reduce_scatter_bw=50e9,
-        reduce_scatter_latency_us=40.0,
-        all_reduce_bw=50e9,
-        all_reduce_latency_us=41.0,
-        all_to_all_bw=50e9,
-        all_to_all_latency_us=40.0,
-    )
+    return LinkConfig(bandwidth=50e9, latency_us=40.0)
 
 
 @dataclass
 class HardwareConfig:
-    """One accelerator type and its interconnect (defaults: NVIDIA H100 SXM, 8 GPUs/node).
+    """One accelerator type and its interconnect (defaults: NVIDIA H100 SXM, DGX H100).
 
     Attributes:
         name: short readable key, used in result paths (``h100``).
         peak_flops_bf16: dense bf16/fp16 tensor-core peak, FLOP/s.
         peak_flops_fp32: fp32 peak used for float32 kernels, FLOP/s.
         hbm_bandwidth: device memory bandwidth, bytes/s.
+        device_memory_bytes: device memory capacity, bytes (for a memory budget; the
+            cost model does not read it).
         compute_efficiency: achievable fraction of the FLOP/s peak (0, 1].
         memory_efficiency: achievable fraction of the HBM bandwidth (0, 1].
         kernel_floor_us: minimum time of any real (non-view) kernel, µs.
-        gpus_per_node: GPUs sharing the intra-node link; decides which mesh dims are
-            intra-node (see :func:`pipeline.costmodel.comm.mesh_dim_link`).
-        intra_node: collective bandwidths/latencies inside a node.
-        inter_node: collective bandwidths/latencies across nodes (per GPU).
+        gpus_per_node: GPUs of one NVLink domain; global ranks are packed
+            ``gpus_per_node`` per node (see :func:`pipeline.costmodel.comm.mesh_dim_layout`).
+        nics_per_node: scale-out NICs (rails) per node.
+        hierarchical_all_reduce: price all-reduce over a group that spans nodes as
+            intra reduce-scatter + inter all-reduce + intra all-gather instead of one ring.
+        intra_node: NVLink ring bus bandwidth and latency.
+        inter_node: bandwidth of one NIC (one direction) and the latency of a ring pass
+            that crosses nodes.
     """
 
     name: str = "h100"
     peak_flops_bf16: float = 989e12
     peak_flops_fp32: float = 67e12
     hbm_bandwidth: float = 3.35e12
+    device_memory_bytes: int = 80 * 2**30
     compute_efficiency: float = 0.7
     memory_efficiency: float = 0.7
     kernel_floor_us: float = 7.0
     gpus_per_node: int = 8
+    nics_per_node: int = 8
+    hierarchical_all_reduce: bool = False
     intra_node: LinkConfig = field(default_factory=LinkConfig)
     inter_node: LinkConfig = field(default_factory=_inter_node_default)
 
@@ -116,8 +118,17 @@ class HardwareConfig:
         raise ValueError(f"link must be 'intra' or 'inter', got {which!r}")
 
 
+def _is_num(v: Any) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def validate_hardware(hw: Any) -> None:
-    """Check that every rate, latency and efficiency of ``hw`` is in range.
+    """Check that every rate, count, latency and efficiency of ``hw`` is in range.
 
     Works on a :class:`HardwareConfig` or an equivalent ``DictConfig``.
 
@@ -130,47 +141,51 @@ def validate_hardware(hw: Any) -> None:
 
     for key in ("peak_flops_bf16", "peak_flops_fp32", "hbm_bandwidth"):
         v = getattr(hw, key)
-        if not (isinstance(v, (int, float)) and v > 0):
+        if not (_is_num(v) and v > 0):
             raise bad(key, v, "must be a number > 0")
+    if not (_is_int(hw.device_memory_bytes) and hw.device_memory_bytes > 0):
+        raise bad("device_memory_bytes", hw.device_memory_bytes, "must be an integer > 0 (bytes)")
     for key in ("compute_efficiency", "memory_efficiency"):
         v = getattr(hw, key)
-        if not (isinstance(v, (int, float)) and 0 < v <= 1):
+        if not (_is_num(v) and 0 < v <= 1):
             raise bad(key, v, "must be in (0, 1]")
-    if not (isinstance(hw.kernel_floor_us, (int, float)) and hw.kernel_floor_us >= 0):
+    if not (_is_num(hw.kernel_floor_us) and hw.kernel_floor_us >= 0):
         raise bad("kernel_floor_us", hw.kernel_floor_us, "must be a number >= 0")
-    if not (isinstance(hw.gpus_per_node, int) and hw.gpus_per_node >= 1):
-        raise bad("gpus_per_node", hw.gpus_per_node, "must be an integer >= 1")
+    for key in ("gpus_per_node", "nics_per_node"):
+        v = getattr(hw, key)
+        if not (_is_int(v) and v >= 1):
+            raise bad(key, v, "must be an integer >= 1")
+    if not isinstance(hw.hierarchical_all_reduce, bool):
+        raise bad("hierarchical_all_reduce", hw.hierarchical_all_reduce, "must be true or false")
     for name in ("intra_node", "inter_node"):
         link = getattr(hw, name)
-        for kind in COLLECTIVES:
-            bw = getattr(link, f"{kind}_bw")
-            lat = getattr(link, f"{kind}_latency_us")
-            if not (isinstance(bw, (int, float)) and bw > 0):
-                raise bad(f"{name}.{kind}_bw", bw, "must be a number > 0 (bytes/s)")
-            if not (isinstance(lat, (int, float)) and lat >= 0):
-                raise bad(f"{name}.{kind}_latency_us", lat, "must be a number >= 0 (µs)")
+        if not (_is_num(link.bandwidth) and link.bandwidth > 0):
+            raise bad(f"{name}.bandwidth", link.bandwidth, "must be a number > 0 (bytes/s)")
+        if not (_is_num(link.latency_us) and link.latency_us >= 0):
+            raise bad(f"{name}.latency_us", link.latency_us, "must be a number >= 0 (µs)")
 
 
 def hardware_key(hw: Any) -> tuple:
-    """A hashable tuple of every numeric field of ``hw`` (dataclass or DictConfig).
+    """A hashable tuple of every field of ``hw`` (dataclass or DictConfig).
 
     Used to key caches that depend on the hardware.
     """
-    links = []
-    for link in (hw.intra_node, hw.inter_node):
-        for kind in COLLECTIVES:
-            links.append(float(getattr(link, f"{kind}_bw")))
-            links.append(float(getattr(link, f"{kind}_latency_us")))
     return (
         str(hw.name),
         float(hw.peak_flops_bf16),
         float(hw.peak_flops_fp32),
         float(hw.hbm_bandwidth),
+        int(hw.device_memory_bytes),
         float(hw.compute_efficiency),
         float(hw.memory_efficiency),
         float(hw.kernel_floor_us),
         int(hw.gpus_per_node),
-        *links,
+        int(hw.nics_per_node),
+        bool(hw.hierarchical_all_reduce),
+        float(hw.intra_node.bandwidth),
+        float(hw.intra_node.latency_us),
+        float(hw.inter_node.bandwidth),
+        float(hw.inter_node.latency_us),
     )
 
 
