@@ -222,7 +222,7 @@ def test_bad_input_load_config(case):
     (["model.foo=1"], "model.foo=1: unknown key; allowed keys at model: name, dim,"),
     (["+foo=1"], "+foo=1: unknown key"),
     (["~mesh"], "~mesh: schema keys cannot be deleted"),
-    (["hardware=nope"], "hardware=nope: allowed h100"),
+    (["hardware=nope"], "hardware=nope: allowed a100, b200, h100, h200"),
     (["experiment=nope"], "experiment=nope: allowed"),
     (["model.dim=abc"], "model.dim=abc: allowed an integer"),
     (["solver.backend=gurobi"], "solver.backend=gurobi: allowed highs, cbc"),
@@ -437,7 +437,7 @@ def test_override_value_refuses_what_it_cannot_render():
     ["model.ffn_hidden_overrides={0:4096}", "constraints.inputs=S(0)R",
      "constraints.nodes=[{match:'it\\'s',placement:'(S(0)R|-)'}]", "mesh=2x4",
      "mesh_names=[a,b]", "results_dir=/tmp/a b", "constraints.param_memory=null",
-     "hardware.intra_node.all_reduce_bw=1e11", "solver.time_limit_s=60"],
+     "hardware.intra_node.bandwidth=1e11", "solver.time_limit_s=60"],
     ["results_dir='/tmp/a\\b\\\\'", "constraints.nodes=[{match:'layers\\.0',placement:RRR}]"],
 ])
 def test_stage_overrides_rebuild_each_stage_key(overrides):
