@@ -304,26 +304,46 @@ def mesh_link(mesh_shape: Sequence[int], mesh_dim: int, hw: Any) -> Any:
 # --------------------------------------------------------------------------- link model
 
 
-@dataclass(frozen=True)
 class _Links:
-    """The link numbers of a hardware config, read once (reading a DictConfig is slow)."""
+    """The link numbers of a hardware config, each read from ``hw`` on first use
+    (reading a DictConfig is slow, and a mesh inside one node needs no NIC numbers)."""
 
-    gpus_per_node: int
-    nics_per_node: int
-    nvlink_bw: float
-    nvlink_lat: float
-    nic_bw: float
-    inter_lat: float
-    hierarchical: bool
+    def __init__(self, hw: Any, gpus_per_node: int | None = None) -> None:
+        self._hw = hw
+        if gpus_per_node is not None:
+            self.gpus_per_node = gpus_per_node
 
     @classmethod
-    def of(cls, hw: Any) -> _Links:
-        if isinstance(hw, _Links):
-            return hw
-        intra, inter = hw.intra_node, hw.inter_node
-        return cls(int(hw.gpus_per_node), int(hw.nics_per_node), float(intra.bandwidth),
-                   float(intra.latency_us), float(inter.bandwidth), float(inter.latency_us),
-                   bool(hw.hierarchical_all_reduce))
+    def of(cls, hw: Any, gpus_per_node: int | None = None) -> _Links:
+        return hw if isinstance(hw, _Links) else cls(hw, gpus_per_node)
+
+    @functools.cached_property
+    def gpus_per_node(self) -> int:
+        return int(self._hw.gpus_per_node)
+
+    @functools.cached_property
+    def nics_per_node(self) -> int:
+        return int(self._hw.nics_per_node)
+
+    @functools.cached_property
+    def nvlink_bw(self) -> float:
+        return float(self._hw.intra_node.bandwidth)
+
+    @functools.cached_property
+    def nvlink_lat(self) -> float:
+        return float(self._hw.intra_node.latency_us)
+
+    @functools.cached_property
+    def nic_bw(self) -> float:
+        return float(self._hw.inter_node.bandwidth)
+
+    @functools.cached_property
+    def inter_lat(self) -> float:
+        return float(self._hw.inter_node.latency_us)
+
+    @functools.cached_property
+    def hierarchical(self) -> bool:
+        return bool(self._hw.hierarchical_all_reduce)
 
 
 def rail_bandwidth_per_rank(layout: GroupLayout, hw: Any) -> float:
