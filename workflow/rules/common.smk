@@ -47,9 +47,11 @@ PAPER_OVERRIDES = experiment_overrides(overrides_from_snakemake(config, sys.argv
 
 # Jobs run `python -m pipeline.cli` with this interpreter and this checkout first on the
 # import path, so they run the same code whether or not the package is installed.
+# A job's stderr goes to its log; fd 3 keeps Snakemake's stderr, where the stage prints
+# its one-line error too (PIPELINE_ERROR_FD, pipeline/cli.py).
 # (The prefix is formatted like a shell command: literal braces are doubled.)
 shell.prefix(
-    "set -euo pipefail; "
+    "set -euo pipefail; exec 3>&2; export PIPELINE_ERROR_FD=3; "
     + f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"; "
     + f"export PYTHONPATH={shlex.quote(str(PROJECT_ROOT))}"
     + "${{PYTHONPATH:+:$PYTHONPATH}}; "
