@@ -226,11 +226,15 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
         Exception: whatever the stage function raises.
     """
     from pipeline.errors import PlanError
+    from pipeline.solvers.ilp.interrupts import remove_stale_temps
 
     directory = dirs.of(stage)
     code = stage_code_hash(stage)
     lazy = bool(cfg.lazy_costs)
     with stage_lock(directory) as writable:
+        if writable:
+            for stale in remove_stale_temps(directory):
+                log.info("%s: removed %s, a temp file of an interrupted run", stage, stale)
         if not force and stage != "report" and stage_is_current(stage, dirs, code, lazy):
             log.info("%s: reusing %s", stage, sentinel(dirs, stage))
             return False
@@ -251,6 +255,7 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
             raise FileNotFoundError(
                 f"stage {stage} finished without writing {sentinel(dirs, stage)}")
         artifacts.write_stamp(directory, code, stage_outputs(stage, lazy))
+        remove_stale_temps(directory)
     return True
 
 

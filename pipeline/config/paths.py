@@ -34,7 +34,7 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
               "pipeline/steptime.py",
               "pipeline/artifacts.py", "pipeline/plan.py", "pipeline/costmodel/**/*.py",
               "pipeline/memory/**/*.py"),
-    "report": ("pipeline/report.py", "pipeline/artifacts.py"),
+    "report": ("pipeline/report.py", "pipeline/artifacts.py", "pipeline/solve.py"),
     "paper": ("pipeline/paper.py", "pipeline/paper/**/*.py"),
     "verify": ("pipeline/verify.py", "pipeline/apply.py", "pipeline/apply/**/*.py",
                "pipeline/plan.py", "pipeline/cpu_kernels.py"),
