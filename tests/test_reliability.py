@@ -441,3 +441,28 @@ def test_a_signal_during_a_cbc_solve_kills_cbc_and_removes_its_temp_dir(tmp_path
         time.sleep(0.1)
     assert not any(_alive(k) for k in kids)
     assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------- lint
+
+
+def test_snakemake_lint_is_clean(tmp_path):
+    from fixtures import snakemake
+
+    code, out, err = snakemake(tmp_path, "--lint")
+    assert code == 0, out + err
+    assert "Congratulations, your workflow is in a good condition!" in out + err
+
+
+def test_the_conda_environment_pins_pyprojects_dependencies():
+    import tomllib
+
+    import yaml
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    env = yaml.safe_load((ROOT / "workflow" / "envs" / "pipeline.yaml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert [p for p in pip if not p.startswith("--")] == deps
+    assert "torch==2.13.0" in pip
+    rules = "".join(p.read_text() for p in (ROOT / "workflow" / "rules").glob("*.smk"))
+    assert rules.count("\n    shell:") == rules.count("\n    conda:\n        CONDA_ENV\n")

@@ -22,5 +22,7 @@ rule paper:
         code=stage_code("paper"),
     log:
         paper_log(),
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.paper --no-run {params.overrides:q} > {log} 2>&1"

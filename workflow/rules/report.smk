@@ -10,5 +10,7 @@ rule report:
         stage_log("report"),
     benchmark:
         stage_benchmark("report")
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.cli report {params.overrides:q} > {log} 2>&1"
