@@ -466,3 +466,21 @@ def test_the_conda_environment_pins_pyprojects_dependencies():
     assert "torch==2.13.0" in pip
     rules = "".join(p.read_text() for p in (ROOT / "workflow" / "rules").glob("*.smk"))
     assert rules.count("\n    shell:") == rules.count("\n    conda:\n        CONDA_ENV\n")
+
+
+# --------------------------------------------------------------------------- docs
+
+
+def test_the_example_path_in_docs_config_is_the_derived_one():
+    text = (ROOT / "docs" / "config.md").read_text()
+    solve = stage_dirs(load_resolved(["model=toy", "mesh=2x4x8"])).solve
+    assert f"`{solve}/run.json`" in text.replace("\n", "")
+
+
+def test_the_readme_cites_only_what_a_clone_has():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert "../shared" not in text and "public reference" not in text
+    assert not re.search(r"issue #\d", text, re.I)
+    assert text.count("python3 -m venv --clear .venv") == 2
