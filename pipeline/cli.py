@@ -166,6 +166,22 @@ def stage_is_current(stage: str, dirs: StageDirs, code: str, lazy_costs: bool = 
     return True
 
 
+def check_problem_size(cfg: DictConfig, dirs: StageDirs) -> None:
+    """Before the costs stage builds anything: estimate the problem from the topology
+    (:func:`pipeline.problem_size.estimate`) and refuse one above ``solver.max_memory``.
+
+    Raises:
+        PlanError: one line with the estimate and what to change.
+    """
+    from pipeline.config import mesh_label
+    from pipeline.problem_size import check_fits, estimate
+
+    size = estimate(dirs.topology)
+    log.info("costs: estimated %s group labels, %s class pairs, %.2f GiB", f"{size.labels:,}",
+             f"{size.class_pairs:,}", size.bytes / 2**30)
+    check_fits(size, cfg.solver.get("max_memory"), mesh_label(cfg.mesh))
+
+
 def check_inputs(stage: str, dirs: StageDirs, lazy_costs: bool) -> None:
     """Before a stage runs on its own (``python -m pipeline.cli``, the Snakemake jobs):
     every artifact of the earlier stages that carries a stamp must match it.
@@ -199,6 +215,7 @@ def _call_stage(stage: str, cfg: DictConfig, dirs: StageDirs) -> None:
     elif stage == "costs":
         from pipeline.costs import run_costs
 
+        check_problem_size(cfg, dirs)  # before anything is built
         run_costs(cfg, dirs.topology, dirs.costs)
     elif stage == "solve":
         from pipeline.solve import run_solve

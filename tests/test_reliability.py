@@ -484,3 +484,78 @@ def test_the_readme_cites_only_what_a_clone_has():
     assert "../shared" not in text and "public reference" not in text
     assert not re.search(r"issue #\d", text, re.I)
     assert text.count("python3 -m venv --clear .venv") == 2
+
+
+# --------------------------------------------------------------------------- problem size
+
+
+@pytest.mark.toy_runs(("mesh=2x4",))
+def test_the_problem_size_is_counted_from_the_topology(toy_results):
+    """Labels and class pairs by brute force over the topology tables."""
+    import collections
+
+    from pipeline.problem_size import BASE_BYTES, estimate
+
+    d = Path(toy_results.run("mesh=2x4").dirs.topology)
+    nodes = pq.read_table(d / "nodes.parquet").to_pylist()
+    strategies = pq.read_table(d / "strategies.parquet").to_pylist()
+    edges = pq.read_table(d / "edges.parquet").to_pylist()
+    outs, ins = collections.defaultdict(set), collections.defaultdict(set)
+    for s in strategies:
+        out = s["output"]
+        parts = out[1:-1].split("|") if out.startswith("(") else [out]
+        for k, part in enumerate(parts):
+            outs[(s["slist"], k)].add(part)
+        for a, p in enumerate(s["inputs"]):
+            ins[(s["slist"], a)].add(p)
+    by_id = {n["id"]: n for n in nodes}
+    domain = {n["group"]: n["num_strategies"] for n in nodes}
+    pairs = sum(len(outs[(by_id[e["producer"]]["slist"], max(e["element"], 0))])
+                * len(ins[(by_id[e["consumer"]]["slist"], e["arg"])]) for e in edges)
+    size = estimate(d)
+    assert size.labels == sum(domain.values()) == toy_results.run("mesh=2x4").record[
+        "counts"]["group_strategies"]
+    assert size.class_pairs == pairs
+    assert size.bytes == BASE_BYTES + 32 * pairs + 64 * size.labels + 24 * size.message_labels
+
+
+def test_a_problem_above_max_memory_is_refused_in_one_line(tmp_path, monkeypatch):
+    from pipeline.errors import PlanError
+    from pipeline.problem_size import ProblemSize
+
+    big = ProblemSize(labels=499_592, class_pairs=10**9, group_edges=401,
+                      message_labels=10**6)
+    monkeypatch.setattr("pipeline.problem_size.estimate", lambda d: big)
+    cfg = load_resolved(["model=toy", "solver.max_memory=4GiB"])
+    with pytest.raises(PlanError) as err:
+        cli.check_problem_size(cfg, stage_dirs(cfg))
+    gib = (2**29 + 32 * 10**9 + 64 * 499_592 + 24 * 10**6) / 2**30
+    assert str(err.value) == (
+        f"solver.max_memory=4GiB: mesh 2x4x8 is estimated at {gib:.2f} GiB (499,592 group "
+        "labels, 1,000,000,000 class pairs over 401 group edges), more than allowed; "
+        "allowed a problem within the limit: a larger solver.max_memory, a smaller mesh, "
+        "or fewer candidate placements (constraints.inputs / constraints.nodes pins)")
+    cli.check_problem_size(load_resolved(["model=toy", "solver.max_memory=31GiB"]),
+                           stage_dirs(cfg))  # 30.36 GiB fits
+    # a guard, in no directory key; bad values are one line
+    assert stage_dirs(cfg).solve == stage_dirs(load_resolved(["model=toy"])).solve
+    with pytest.raises(ConfigError, match=r"^solver.max_memory=lots: allowed a positive"):
+        load_resolved(["model=toy", "solver.max_memory=lots"])
+
+
+@pytest.mark.toy_runs(("mesh=8",))
+def test_python_m_pipeline_refuses_a_problem_above_max_memory(tmp_path, toy_results):
+    dirs = toy_results.copy_run(tmp_path / "results", "mesh=8", upto="topology")
+    proc = run_py(tmp_path, "-m", "pipeline", "model=toy", "mesh=8",
+                  "solver.max_memory=100MiB", f"results_dir={tmp_path / 'results'}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    from pipeline.memory.options import format_bytes
+    from pipeline.problem_size import estimate
+
+    size = estimate(dirs.topology)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"solver.max_memory=100MiB: mesh 8 is estimated at "
+                           f"{format_bytes(size.bytes)} ({size.labels:,} group labels, ")
+    assert size.labels == toy_results.run("mesh=8").record["counts"]["group_strategies"]
+    assert "Traceback" not in proc.stderr
+    assert not Path(dirs.costs).exists()

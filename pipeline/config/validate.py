@@ -138,6 +138,13 @@ def _check_solver(s: Any) -> None:
     need(s.backend in MIP_BACKENDS, "backend", "allowed " + ", ".join(MIP_BACKENDS))
     need(_is_num(s.mip_gap) and 0 <= s.mip_gap < 1, "mip_gap", "allowed a number in [0, 1)")
     need(_is_int(s.threads) and s.threads >= 1, "threads", "allowed an integer >= 1")
+    if s.max_memory is not None:
+        from pipeline.memory.options import parse_bytes
+
+        try:
+            parse_bytes(s.max_memory, "solver.max_memory")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def _check_placement(key: str, text: Any, rank: int, tuple_ok: bool) -> None:
