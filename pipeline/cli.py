@@ -271,7 +271,9 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
         if not sentinel(dirs, stage).exists():
             raise FileNotFoundError(
                 f"stage {stage} finished without writing {sentinel(dirs, stage)}")
-        artifacts.write_stamp(directory, code, stage_outputs(stage, lazy))
+        # what the stage wrote (a missing artifact fails stage_is_current on its own)
+        artifacts.write_stamp(directory, code, [a for a in stage_outputs(stage, lazy)
+                                                if a.path(directory).exists()])
         remove_stale_temps(directory)
     return True
 
