@@ -203,7 +203,7 @@ COST_MODEL_KEYS: tuple[str, ...] = ("model", "mesh", "mesh_names", "hardware", "
 
 
 def _plan_name(row: Any) -> str:
-    recipe = _row_value(row, "recipe")
+    recipe = row_value(row, "recipe")
     return "planner" if recipe is None else str(recipe)
 
 
