@@ -70,17 +70,21 @@ USER_ERRORS = _user_errors()
 
 
 def preflight_trace(cfg: DictConfig) -> None:
-    """Before any stage writes: the model checks that need the family's packages or a
-    forward on meta (:func:`pipeline.models.preflight`), unless the trace artifact exists
-    (the model was traced, so it is valid).
+    """Before any stage writes: every sharded input dim at least its shard count
+    (:func:`pipeline.config.validate.check_input_sharding`), then the model checks that
+    need the family's packages or a forward on meta (:func:`pipeline.models.preflight`),
+    unless the trace artifact exists (the model was traced, so it is valid).
 
     Raises:
         ConfigError: one line naming the key, the value and what is allowed.
     """
     from omegaconf import OmegaConf
 
+    from pipeline.config.validate import check_input_sharding
     from pipeline.models import ModelError, preflight
 
+    if cfg.get("recipe") is None:  # a recipe places the inputs itself
+        check_input_sharding(cfg, list(cfg.mesh), list(cfg.mesh_names))
     if sentinel(stage_dirs(cfg), "trace").exists():
         return
     try:

@@ -344,8 +344,6 @@ def resolve(cfg: DictConfig) -> DictConfig:
                           f"(got solver={out.solver.name})")
     _check_constraints(out.constraints, mesh)
     _check_recipe(out.recipe, names, out.constraints)
-    if out.recipe is None:  # a recipe places the inputs itself
-        check_input_sharding(out, mesh, names)
     try:
         validate_memory_config(out)
     except ValueError as err:
