@@ -42,7 +42,9 @@ with :func:`check_schema`. (The trace and topology stages write their artifacts 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -137,10 +139,13 @@ SENTINEL_ARTIFACTS: dict[str, Artifact] = {
 #: File name of each stage's sentinel.
 SENTINELS: dict[str, str] = {stage: a.name for stage, a in SENTINEL_ARTIFACTS.items()}
 
-#: Bookkeeping files of a stage directory (pipeline/cli.py): the hash of the code that
-#: wrote the artifacts, and the lock a second process waits on.
+#: Bookkeeping files of a stage directory (pipeline/cli.py): the stamp (the hash of the
+#: code that wrote the artifacts, and each artifact's checksum and schema version,
+#: :func:`write_stamp`), and the lock a second process waits on.
 CODE_STAMP = ".code"
 LOCK_FILE = ".lock"
+#: Version of the stamp's own layout.
+STAMP_VERSION = 1
 
 
 def stage_outputs(stage: str, lazy_costs: bool) -> list[Artifact]:
@@ -153,6 +158,70 @@ def stage_outputs(stage: str, lazy_costs: bool) -> list[Artifact]:
     return out + [SENTINEL_ARTIFACTS[stage]]
 
 
+def file_digest(path: Path | str) -> str:
+    """SHA-256 (hex) of a file's content, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_stamp(directory: Path | str, code: str, outputs: list[Artifact]) -> Path:
+    """Write the stage directory's stamp (:data:`CODE_STAMP`) atomically, after every
+    artifact: the code hash and, per artifact, its byte count, SHA-256 and schema version.
+    A reader trusts an artifact only when it matches its stamp (:func:`stamp_problem`)."""
+    directory = Path(directory)
+    files = {}
+    for a in outputs:
+        path = a.path(directory)
+        files[a.name] = {"bytes": path.stat().st_size, "sha256": file_digest(path),
+                         "schema_version": a.schema_version}
+    path = directory / CODE_STAMP
+    text = dumps({"stamp_version": STAMP_VERSION, "code": code, "files": files})
+    with runtime.atomic_path(path) as tmp:
+        tmp.write_text(text)
+    return path
+
+
+def read_stamp(directory: Path | str) -> dict[str, Any] | None:
+    """The stamp of a stage directory, ``None`` if it is missing or not a stamp of this
+    layout (e.g. written by older code)."""
+    path = Path(directory) / CODE_STAMP
+    try:
+        stamp = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    ok = (isinstance(stamp, dict) and stamp.get("stamp_version") == STAMP_VERSION
+          and isinstance(stamp.get("files"), dict))
+    return stamp if ok else None
+
+
+def stamp_problem(directory: Path | str, outputs: list[Artifact],
+                  stamp: dict[str, Any]) -> str | None:
+    """Why the artifacts in ``directory`` cannot be trusted against ``stamp``, or ``None``
+    when each exists with its stamped size, checksum and the current schema version.
+    The answer is one line naming the file, e.g. ``.../graph.parquet: 1024 bytes, the
+    stamp says 2048 (truncated or changed since it was written)``."""
+    for a in outputs:
+        path = a.path(directory)
+        entry = stamp["files"].get(a.name)
+        if not path.exists():
+            return f"{path}: missing"
+        if not isinstance(entry, dict):
+            return f"{path}: not in the stamp {Path(directory) / CODE_STAMP}"
+        if entry.get("schema_version") != a.schema_version:
+            return (f"{path}: schema_version={entry.get('schema_version')}, this code "
+                    f"reads {a.schema_version}")
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            return (f"{path}: {size} bytes, the stamp says {entry.get('bytes')} "
+                    "(truncated or changed since it was written)")
+        if file_digest(path) != entry.get("sha256"):
+            return f"{path}: checksum differs from the stamp (changed since it was written)"
+    return None
+
+
 def check_schema(artifact: Artifact, found: Any, path: Path | str) -> None:
     """Raise PlanError (one line) unless ``found`` is the artifact's schema version."""
     if found != artifact.schema_version:
@@ -160,10 +229,40 @@ def check_schema(artifact: Artifact, found: Any, path: Path | str) -> None:
                         f"{artifact.schema_version}; rerun the {artifact.stage} stage")
 
 
+def strict(obj: Any) -> Any:
+    """``obj`` with every value JSON can hold: numpy scalars and arrays as Python values,
+    paths as text and a non-finite float (``inf``, ``-inf``, ``nan``, which strict JSON
+    has no spelling for) as ``None``."""
+    import numpy as np
+
+    if isinstance(obj, dict):
+        return {str(k): strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return strict(obj.tolist())
+    if isinstance(obj, np.generic):
+        return strict(obj.item())
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    """Strict JSON text of ``obj`` (indented, sorted keys; non-finite floats as ``null``,
+    :func:`strict`); parsers that refuse ``Infinity`` / ``NaN`` read it."""
+    return json.dumps(strict(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
 def write_json(artifact: Artifact, directory: Path | str, obj: dict[str, Any]) -> Path:
-    """Write a JSON artifact atomically with its ``schema_version``; its path."""
+    """Write a JSON artifact atomically with its ``schema_version`` as strict JSON
+    (:func:`dumps`); its path."""
     path = artifact.path(directory)
-    runtime.write_json(path, {**obj, "schema_version": artifact.schema_version})
+    text = dumps({**obj, "schema_version": artifact.schema_version})
+    with runtime.atomic_path(path) as tmp:
+        tmp.write_text(text)
     return path
 
 

@@ -16,15 +16,18 @@ the stage's sentinel (:data:`pipeline.artifacts.SENTINELS`, re-exported here).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig
 
+from pipeline import artifacts
 from pipeline.artifacts import CODE_STAMP, LOCK_FILE, SENTINELS, stage_outputs
 from pipeline.config import (
     STAGES,
@@ -67,17 +70,21 @@ USER_ERRORS = _user_errors()
 
 
 def preflight_trace(cfg: DictConfig) -> None:
-    """Before any stage writes: the model checks that need the family's packages or a
-    forward on meta (:func:`pipeline.models.preflight`), unless the trace artifact exists
-    (the model was traced, so it is valid).
+    """Before any stage writes: every sharded input dim at least its shard count
+    (:func:`pipeline.config.validate.check_input_sharding`), then the model checks that
+    need the family's packages or a forward on meta (:func:`pipeline.models.preflight`),
+    unless the trace artifact exists (the model was traced, so it is valid).
 
     Raises:
         ConfigError: one line naming the key, the value and what is allowed.
     """
     from omegaconf import OmegaConf
 
+    from pipeline.config.validate import check_input_sharding
     from pipeline.models import ModelError, preflight
 
+    if cfg.get("recipe") is None:  # a recipe places the inputs itself
+        check_input_sharding(cfg, list(cfg.mesh), list(cfg.mesh_names))
     if sentinel(stage_dirs(cfg), "trace").exists():
         return
     try:
@@ -91,38 +98,68 @@ def sentinel(dirs: StageDirs, stage: str) -> Path:
     return dirs.of(stage) / SENTINELS[stage]
 
 
+#: errno values of a directory this process may not write (a read-only results tree).
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def _open_lock(directory: Path) -> Any:
+    """Open ``directory/.lock`` for appending (created if missing)."""
+    return open(directory / LOCK_FILE, "a")
+
+
 @contextlib.contextmanager
-def stage_lock(directory: Path) -> Iterator[None]:
+def stage_lock(directory: Path) -> Iterator[bool]:
     """Hold an exclusive ``fcntl.flock`` on ``directory/.lock`` (:data:`LOCK_FILE`, created
-    with the directory).
+    with the directory); yields whether the directory is writable.
 
     A second process writing the same stage directory waits here, then finds the
-    artifact and reuses it.
+    artifact and reuses it. On a read-only results tree no lock can be taken (nor is one
+    needed: nobody writes there through this process); it yields ``False``.
     """
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / LOCK_FILE, "a") as fh:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fh = _open_lock(directory)
+    except OSError as err:
+        if err.errno not in _READ_ONLY:
+            raise
+        yield False
+        return
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def stage_is_current(stage: str, dirs: StageDirs, code: str, lazy_costs: bool = True) -> bool:
     """Whether every artifact of the stage exists (``lazy_costs``: the cost mode, which
-    decides whether the costs stage writes ``factors.npz``), was made by the current code,
-    and is not older than the artifact it was computed from (the checks Snakemake makes,
-    for one process)."""
+    decides whether the costs stage writes ``factors.npz``), matches the size, checksum
+    and schema version of the stage's stamp (:func:`pipeline.artifacts.write_stamp`,
+    written after them), was made by the current code, and is not older than the
+    artifact it was computed from (the checks Snakemake makes, and the content checks it
+    does not make, for one process). A missing, truncated or changed artifact is logged in
+    one line naming it, and the stage reruns."""
+    directory = dirs.of(stage)
     done = sentinel(dirs, stage)
     if not done.exists():
         return False
-    for artifact in stage_outputs(stage, lazy_costs):
-        if not artifact.path(dirs.of(stage)).exists():
-            log.info("%s: %s is missing; rerunning", stage, artifact.path(dirs.of(stage)))
+    outputs = stage_outputs(stage, lazy_costs)
+    for artifact in outputs:
+        if not artifact.path(directory).exists():
+            log.warning("%s: %s is missing; rerunning", stage, artifact.path(directory))
             return False
-    stamp = dirs.of(stage) / CODE_STAMP
-    if stamp.exists() and stamp.read_text().strip() != code:
+    stamp = artifacts.read_stamp(directory)
+    if stamp is None:
+        log.warning("%s: %s has no checksum stamp (%s); rerunning", stage, directory,
+                    CODE_STAMP)
+        return False
+    if stamp.get("code") != code:
         log.info("%s: code changed since %s was written; rerunning", stage, done)
+        return False
+    problem = artifacts.stamp_problem(directory, outputs, stamp)
+    if problem is not None:
+        log.warning("%s: %s; rerunning", stage, problem)
         return False
     upstream = _UPSTREAM.get(stage)
     if upstream is not None:
@@ -133,7 +170,40 @@ def stage_is_current(stage: str, dirs: StageDirs, code: str, lazy_costs: bool = 
     return True
 
 
+def check_problem_size(cfg: DictConfig, dirs: StageDirs) -> None:
+    """Before the costs stage builds anything: estimate the problem from the topology
+    (:func:`pipeline.problem_size.estimate`) and refuse one above ``solver.max_memory``.
 
+    Raises:
+        PlanError: one line with the estimate and what to change.
+    """
+    from pipeline.config import mesh_label
+    from pipeline.problem_size import check_fits, estimate
+
+    size = estimate(dirs.topology)
+    log.info("costs: estimated %s group labels, %s class pairs, %.2f GiB", f"{size.labels:,}",
+             f"{size.class_pairs:,}", size.bytes / 2**30)
+    check_fits(size, cfg.solver.get("max_memory"), mesh_label(cfg.mesh))
+
+
+def check_inputs(stage: str, dirs: StageDirs, lazy_costs: bool) -> None:
+    """Before a stage runs on its own (``python -m pipeline.cli``, the Snakemake jobs):
+    every artifact of the earlier stages that carries a stamp must match it.
+
+    Raises:
+        PlanError: one line naming the file and the stage to rerun.
+    """
+    from pipeline.errors import PlanError
+
+    for earlier in STAGES[:STAGES.index(stage)]:
+        directory = dirs.of(earlier)
+        stamp = artifacts.read_stamp(directory)
+        if stamp is None:
+            continue
+        problem = artifacts.stamp_problem(directory, stage_outputs(earlier, lazy_costs), stamp)
+        if problem is not None:
+            raise PlanError(f"{problem}; rerun the {earlier} stage (python -m pipeline "
+                            f"reruns it; snakemake --forcerun {earlier} or delete the file)")
 
 
 def _call_stage(stage: str, cfg: DictConfig, dirs: StageDirs) -> None:
@@ -149,6 +219,7 @@ def _call_stage(stage: str, cfg: DictConfig, dirs: StageDirs) -> None:
     elif stage == "costs":
         from pipeline.costs import run_costs
 
+        check_problem_size(cfg, dirs)  # before anything is built
         run_costs(cfg, dirs.topology, dirs.costs)
     elif stage == "solve":
         from pipeline.solve import run_solve
@@ -175,13 +246,26 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
         FileNotFoundError: the stage finished without writing its sentinel artifact.
         Exception: whatever the stage function raises.
     """
+    from pipeline.errors import PlanError
+    from pipeline.solvers.ilp.interrupts import remove_stale_temps
+
     directory = dirs.of(stage)
     code = stage_code_hash(stage)
-    with stage_lock(directory):
-        if not force and stage != "report" and stage_is_current(stage, dirs, code,
-                                                                bool(cfg.lazy_costs)):
+    lazy = bool(cfg.lazy_costs)
+    with stage_lock(directory) as writable:
+        if writable:
+            for stale in remove_stale_temps(directory):
+                log.info("%s: removed %s, a temp file of an interrupted run", stage, stale)
+        if not force and stage != "report" and stage_is_current(stage, dirs, code, lazy):
             log.info("%s: reusing %s", stage, sentinel(dirs, stage))
             return False
+        if not writable:
+            if stage == "report" and sentinel(dirs, stage).exists():
+                log.warning("report: %s is read-only; keeping its tables", directory)
+                return False
+            raise PlanError(f"results_dir={cfg.results_dir}: {directory} is read-only and "
+                            f"the {stage} stage has to run; allowed a writable results_dir "
+                            "(or a fully cached run)")
         log.info("%s: running in %s", stage, directory)
         try:
             _call_stage(stage, cfg, dirs)
@@ -191,7 +275,10 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
         if not sentinel(dirs, stage).exists():
             raise FileNotFoundError(
                 f"stage {stage} finished without writing {sentinel(dirs, stage)}")
-        (directory / CODE_STAMP).write_text(code + "\n")
+        # what the stage wrote (a missing artifact fails stage_is_current on its own)
+        artifacts.write_stamp(directory, code, [a for a in stage_outputs(stage, lazy)
+                                                if a.path(directory).exists()])
+        remove_stale_temps(directory)
     return True
 
 
@@ -207,6 +294,27 @@ def _remove_if_empty(directory: Path) -> None:
             directory.rmdir()
         except OSError:
             pass
+
+
+#: Environment variable naming a file descriptor that also gets the one-line error of a
+#: failing stage. The Snakemake rules send a job's stderr to its log; their shell prefix
+#: (workflow/rules/common.smk) keeps Snakemake's own stderr open as fd 3 and sets this,
+#: so the line reaches the user as well.
+ERROR_FD_ENV = "PIPELINE_ERROR_FD"
+
+
+def tell_error(line: str, to_stderr: bool = True) -> None:
+    """Print a one-line error on stderr (unless ``to_stderr`` is false) and on the
+    descriptor of :data:`ERROR_FD_ENV`, if set."""
+    if to_stderr:
+        print(line, file=sys.stderr, flush=True)
+    fd = os.environ.get(ERROR_FD_ENV)
+    if not fd:
+        return
+    try:
+        os.write(int(fd), (line + "\n").encode())
+    except (OSError, ValueError) as err:
+        print(f"{ERROR_FD_ENV}={fd}: cannot write the error there ({err})", file=sys.stderr)
 
 
 def configure_logging() -> None:
@@ -231,14 +339,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stage == "trace":
             preflight_trace(cfg)
     except ConfigError as err:
-        print(err, file=sys.stderr)
+        tell_error(str(err))
         return 2
     configure_logging()
     try:
+        check_inputs(stage, stage_dirs(cfg), bool(cfg.lazy_costs))
         run_stage(stage, cfg, stage_dirs(cfg))
     except USER_ERRORS as err:
-        print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
+        tell_error(str(err).splitlines()[0] if str(err) else type(err).__name__)
         return 2
+    except Exception as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        tell_error(f"{stage}: {type(err).__name__}: {first} (traceback in the job's log)",
+                   to_stderr=False)
+        raise
     return 0
 
 

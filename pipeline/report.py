@@ -20,6 +20,12 @@ All load with pandas, polars or duckdb. Rows are sorted by run directory so
 the files are deterministic for a given set of runs. File names and schema versions:
 pipeline/artifacts.py (a run record's own version is its ``schema_version`` column;
 records written before versioning have none).
+
+A run is reported only when its record can be trusted (:func:`record_problem`): a
+``run.json`` that is not a JSON object, whose objective lies below its own lower bound,
+or whose ``placement_hash`` does not match the placements in its ``solution.parquet``
+(or whose tables cannot be read) is skipped with a one-line warning naming the file;
+the other runs are reported as usual.
 """
 
 from __future__ import annotations
@@ -71,16 +77,73 @@ def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+#: Relative slack of the objective-vs-bound check (a bound is never above the objective
+#: it certifies, up to float rounding).
+BOUND_RTOL = 1e-6
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    rec = json.loads(path.read_text())
+    if not isinstance(rec, dict):
+        raise ValueError(f"a JSON {type(rec).__name__}, not an object")
+    return rec
+
+
+def record_problem(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(record, None)`` for a trustworthy run record, ``(None, why)`` otherwise: the
+    file does not parse as a JSON object, its objective is below its own lower bound
+    (by more than :data:`BOUND_RTOL`), or its ``placement_hash`` differs from the hash
+    of the placements in the run's ``solution.parquet`` (or that table is unreadable)."""
+    from pipeline.solve import placement_hash
+
+    try:
+        rec = _read_record(path)
+    except (OSError, ValueError) as err:
+        return None, f"not a readable run record ({type(err).__name__}: " \
+                     f"{str(err).splitlines()[0] if str(err) else ''})"
+    obj, bound = rec.get("objective"), rec.get("lower_bound")
+    if isinstance(obj, (int, float)) and isinstance(bound, (int, float)) \
+            and obj < bound - BOUND_RTOL * max(1.0, abs(obj)):
+        return None, f"objective={obj} is below its own lower_bound={bound}"
+    solution = path.parent / SOLUTION.name
+    try:
+        table = pq.read_table(solution, columns=["node", "name", "output_placement",
+                                                 "input_placements"]).sort_by("node")
+        pq.read_table(path.parent / REDISTRIBUTIONS.name)
+    except (OSError, pa.ArrowException) as err:
+        return None, f"its tables are unreadable ({type(err).__name__}: " \
+                     f"{str(err).splitlines()[0] if str(err) else ''})"
+    found = placement_hash(table["name"].to_pylist(), table["output_placement"].to_pylist(),
+                           table["input_placements"].to_pylist())
+    if rec.get("placement_hash") != found:
+        return None, (f"placement_hash={rec.get('placement_hash')} does not match "
+                      f"{solution} ({found})")
+    return rec, None
+
+
+def trusted_runs(results_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """``(run directory, record)`` of every trustworthy ``runs/**/run.json`` (sorted by
+    path); each skipped record is logged in one line naming it (:func:`record_problem`)."""
+    out = []
+    for path in sorted(Path(results_dir, "runs").glob(f"**/{RUN.name}")):
+        rec, problem = record_problem(path)
+        if problem is not None:
+            log.warning("report: skipping %s: %s", path, problem)
+            continue
+        out.append((path.parent, rec))
+    return out
+
+
 def run_records(results_dir: Path) -> list[dict[str, Any]]:
-    """Every ``runs/**/run.json`` (sorted by path)."""
-    return [json.loads(path.read_text())
-            for path in sorted(Path(results_dir, "runs").glob(f"**/{RUN.name}"))]
+    """The trustworthy ``runs/**/run.json`` records (sorted by path,
+    :func:`trusted_runs`)."""
+    return [rec for _, rec in trusted_runs(results_dir)]
 
 
 def run_rows(results_dir: Path, records: list[dict[str, Any]] | None = None
              ) -> list[dict[str, Any]]:
-    """Flattened run records of every ``runs/**/run.json`` (sorted by path; ``records``:
-    those already read by :func:`run_records`)."""
+    """Flattened run records of every trustworthy ``runs/**/run.json`` (sorted by path;
+    ``records``: those already read by :func:`run_records`)."""
     rows = []
     for rec in run_records(results_dir) if records is None else records:
         row = flatten({k: v for k, v in rec.items() if k not in _SKIP})
@@ -158,17 +221,20 @@ def _recipe_table(rows: list[dict[str, Any]]) -> pa.Table:
 def run_report(results_dir: Path) -> None:
     """Write ``report/runs.parquet``, ``report/placements.parquet``,
     ``report/redistributions.parquet`` and ``report/recipes.parquet`` atomically
-    (``runs.parquet``, the sentinel, last); an empty results directory gives empty tables."""
+    (``runs.parquet``, the sentinel, last) over the trustworthy runs (:func:`trusted_runs`);
+    an empty results directory gives empty tables."""
     results_dir = Path(results_dir)
     out = results_dir / "report"
-    records = run_records(results_dir)
+    trusted = trusted_runs(results_dir)
+    records = [rec for _, rec in trusted]
+    run_dirs = [d for d, _ in trusted]
     rows = run_rows(results_dir, records)
     keys = sorted({k for r in rows for k in r})
     cols = {k: [r.get(k) for r in rows] for k in keys}
     table = pa.table({k: _column(v) for k, v in cols.items()}) if rows else pa.table({})
-    placements = _union(results_dir, SOLUTION.name)
+    placements = _union(run_dirs, SOLUTION.name)
     artifacts.write_table(PLACEMENTS, out, placements, metadata={"runs": len(rows)})
-    redistributions = _union(results_dir, REDISTRIBUTIONS.name)
+    redistributions = _union(run_dirs, REDISTRIBUTIONS.name)
     artifacts.write_table(REPORT_REDISTRIBUTIONS, out, redistributions,
                           metadata={"runs": len(rows)})
     recipes = recipe_rows(records)
@@ -182,10 +248,10 @@ def run_report(results_dir: Path) -> None:
              placements.num_rows, redistributions.num_rows, out)
 
 
-def _union(results_dir: Path, name: str) -> pa.Table:
+def _union(run_dirs: list[Path], name: str) -> pa.Table:
     """Every run's ``name`` table, concatenated in run-directory order."""
-    parts = [pq.read_table(p).replace_schema_metadata(None)
-             for p in sorted(results_dir.glob(f"runs/**/{name}"))]
+    parts = [pq.read_table(d / name).replace_schema_metadata(None)
+             for d in run_dirs if (d / name).exists()]
     return pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
 
 

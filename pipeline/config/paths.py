@@ -34,7 +34,7 @@ STAGE_SOURCES: dict[str, tuple[str, ...]] = {
               "pipeline/steptime.py",
               "pipeline/artifacts.py", "pipeline/plan.py", "pipeline/costmodel/**/*.py",
               "pipeline/memory/**/*.py"),
-    "report": ("pipeline/report.py", "pipeline/artifacts.py"),
+    "report": ("pipeline/report.py", "pipeline/artifacts.py", "pipeline/solve.py"),
     "paper": ("pipeline/paper.py", "pipeline/paper/**/*.py"),
     "verify": ("pipeline/verify.py", "pipeline/apply.py", "pipeline/apply/**/*.py",
                "pipeline/plan.py", "pipeline/cpu_kernels.py"),
@@ -89,7 +89,8 @@ OPTIONAL_KEY_DEFAULTS: dict[str, Any] = {"recipe": None}
 def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
     """The part of a *resolved* config that ``stage`` depends on, as plain data.
 
-    ``constraints`` leaves out ``device_memory`` (the costs key ``device_memory``); the
+    ``constraints`` leaves out ``device_memory`` (the costs key ``device_memory``),
+    ``solver`` leaves out ``max_memory`` (a guard, pipeline/problem_size.py); the
     memory model's keys appear only when they differ from :data:`MEMORY_KEY_DEFAULTS`.
     """
     if stage not in STAGE_KEYS:
@@ -103,6 +104,8 @@ def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
             value = OmegaConf.to_container(value, resolve=True)
         if k == "constraints":
             value = {c: v for c, v in value.items() if c != "device_memory"}
+        if k == "solver":  # a guard on the problem's size, not a result-shaping key
+            value = {c: v for c, v in value.items() if c != "max_memory"}
         if k in MEMORY_KEY_DEFAULTS and value == MEMORY_KEY_DEFAULTS[k]:
             continue
         out[k] = value

@@ -70,6 +70,11 @@ class SolverConfig:
         backend: ilp/lp: PuLP backend, ``highs`` or ``cbc``.
         mip_gap: ilp: relative MIP gap at which the backend may stop (0: exact).
         threads: ilp/lp: backend threads.
+        max_memory: bytes the problem may take (``16GiB``, ``16GB``, a byte count; ``None``:
+            80 % of this machine's physical memory). Its size is estimated from the
+            topology before the costs stage builds anything (pipeline/problem_size.py)
+            and a problem estimated above it is refused in one line. A guard, not part
+            of any directory key.
     """
 
     name: str = "approx"
@@ -81,6 +86,7 @@ class SolverConfig:
     backend: str = "highs"
     mip_gap: float = 0.0
     threads: int = 1
+    max_memory: Any = None
 
 
 @dataclass

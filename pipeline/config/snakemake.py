@@ -47,6 +47,9 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
     for key in sorted(keys):
         for k, v in _leaves(key, keys[key]):
             out.append(f"{k}={override_value(v)}")
+    if stage in ("costs", "solve") and cfg.solver.get("max_memory") is not None:
+        # the size guard of the costs stage (in no key): passed on when set
+        out.append(f"solver.max_memory={override_value(cfg.solver.max_memory)}")
     return out
 
 

@@ -138,6 +138,13 @@ def _check_solver(s: Any) -> None:
     need(s.backend in MIP_BACKENDS, "backend", "allowed " + ", ".join(MIP_BACKENDS))
     need(_is_num(s.mip_gap) and 0 <= s.mip_gap < 1, "mip_gap", "allowed a number in [0, 1)")
     need(_is_int(s.threads) and s.threads >= 1, "threads", "allowed an integer >= 1")
+    if s.max_memory is not None:
+        from pipeline.memory.options import parse_bytes
+
+        try:
+            parse_bytes(s.max_memory, "solver.max_memory")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 def _check_placement(key: str, text: Any, rank: int, tuple_ok: bool) -> None:
@@ -194,6 +201,82 @@ def _check_recipe(recipe: Any, names: list[str], c: Any) -> None:
     if c.inputs is not None:
         raise ConfigError(f"constraints.inputs={_shown(c.inputs)}: recipe={recipe} places "
                           "the inputs itself; allowed null with a recipe")
+
+
+def check_finite(node: Any, prefix: str = "") -> None:
+    """Refuse a non-finite number (``inf``, ``-inf``, ``nan``) anywhere in a config.
+
+    ``node``: a plain container (``OmegaConf.to_container``); keys are dotted, list
+    entries by index (``constraints.nodes.0.placement``).
+
+    Raises:
+        ConfigError: ``<key>=inf: allowed a finite number ...``.
+    """
+    if isinstance(node, dict):
+        for k, v in node.items():
+            check_finite(v, f"{prefix}{k}.")
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            check_finite(v, f"{prefix}{i}.")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{prefix[:-1]}={_shown(node)}: allowed a finite number "
+                          "(inf, -inf and nan are refused)")
+
+
+def _input_dims(model: Any) -> list[tuple[list[int], list[str], bool]]:
+    """(shape, key of each dim) of every model input known from the config alone: llama
+    and hf token batches ``[batch_size, seq_len]`` (hf: the batch dim only, the other dims
+    depend on the task), a custom model's ``inputs``; the flag: whether the shape is the
+    input's whole shape."""
+    family = model_families.family_of(model)
+    if family == "llama":
+        return [([int(model.batch_size), int(model.seq_len)],
+                 ["model.batch_size", "model.seq_len"], True)]
+    if family == "hf":
+        return [([int(model.batch_size)], ["model.batch_size"], False)]
+    return [([int(s) for s in spec.shape], [f"model.inputs.{i}.shape.{d}"
+                                           for d in range(len(spec.shape))], True)
+            for i, spec in enumerate(model.get("inputs") or [])]
+
+
+def check_input_sharding(out: Any, mesh: list[int], names: list[str]) -> None:
+    """Every input dim must be at least the product of the mesh dims sharding it under
+    ``constraints.inputs`` (default ``S(0)`` on the first mesh dim): checked here, before
+    the trace, as the topology stage would only find no strategy for the input.
+
+    Raises:
+        ConfigError: ``model.batch_size=2: the inputs are sharded S(0) on mesh dim dp
+            (8 devices) ...``.
+    """
+    from pipeline.placements import parse_placements
+
+    text = out.constraints.inputs
+    placements = parse_placements(text or "S(0)" + "R" * (len(mesh) - 1), len(mesh))
+    shards: dict[int, list[int]] = {}
+    for mdim, p in enumerate(placements):
+        if p.is_shard():
+            shards.setdefault(int(p.dim), []).append(mdim)
+    if not shards:
+        return
+    shown = text if text else "S(0) on the first mesh dim (the default)"
+    for shape, keys, whole in _input_dims(out.model):
+        for d, mdims in shards.items():
+            inside = -len(shape) <= d < len(shape) if whole else 0 <= d < len(shape)
+            dim = d % len(shape) if inside else None
+            on = ", ".join(f"{names[m]} ({mesh[m]})" for m in mdims)
+            count = math.prod(mesh[m] for m in mdims)
+            if dim is None:
+                if whole:
+                    raise ConfigError(f"constraints.inputs={shown}: shards dim {d} of an "
+                                      f"input of shape {shape}; allowed dims "
+                                      f"0..{len(shape) - 1}")
+                continue
+            if shape[dim] < count:
+                raise ConfigError(
+                    f"{keys[dim]}={shape[dim]}: the inputs are sharded on mesh dims {on} "
+                    f"(constraints.inputs={shown}), {count} shards; allowed "
+                    f"{keys[dim]} >= {count}, or constraints.inputs sharding that dim on "
+                    "fewer mesh dims (e.g. R on each)")
 
 
 def resolve(cfg: DictConfig) -> DictConfig:
@@ -267,6 +350,7 @@ def resolve(cfg: DictConfig) -> DictConfig:
         raise ConfigError(str(err)) from None
     if not isinstance(out.results_dir, str) or not out.results_dir.strip():
         raise ConfigError(f"results_dir={_shown(out.results_dir)}: allowed a non-empty path")
+    check_finite(OmegaConf.to_container(out, resolve=True))
     out.mesh = mesh
     out.mesh_names = names
     out.lazy_costs = bool(lazy)

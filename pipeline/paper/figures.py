@@ -18,6 +18,7 @@ from pipeline.paper.tables import (
     row_config,
     row_float,
     row_layers,
+    row_value,
 )
 
 _PHASE_COLORS = {"trace": "#4C72B0", "topology": "#55A868", "cost_build": "#C44E52",
@@ -179,9 +180,9 @@ def plot_solvers(runs: Any, path: Path, prov: dict[str, Any]) -> None:
             objs.append(row_float(r, "objective") / 1000.0)
             gap = 100.0 * row_float(r, "gap")
             gaps.append(max(gap, 0.0) if math.isfinite(gap) else float("nan"))
-            certified = bool(r.get("certified"))
+            certified = bool(row_value(r, "certified"))
             notes.append(("certified" if certified else f"{gap:.2g} %")
-                         + f"\n{r.get('status')}")
+                         + f"\n{row_value(r, 'status') or '?'}")
         xs = [i + (j - (len(solvers) - 1) / 2) * width for i in range(len(meshes))]
         color = _SOLVER_COLORS.get(solver, None)
         bars = ax_obj.bar(xs, objs, width=width, label=solver, color=color)
@@ -196,8 +197,8 @@ def plot_solvers(runs: Any, path: Path, prov: dict[str, Any]) -> None:
         ax.grid(axis="y", alpha=0.3)
     ax_gap.legend(title="solver", fontsize=8, title_fontsize=8, loc="upper left",
                   bbox_to_anchor=(1.01, 1.0))
-    top = max([v for v in runs["objective"].tolist() if v is not None and math.isfinite(v)]
-              + [1e-9]) / 1000.0
+    top = max([v for v in (row_float(r, "objective") for _, r in runs.iterrows())
+               if math.isfinite(v)] + [1e-9]) / 1000.0
     ax_obj.set_ylim(0, top * 1.15)
     ax_obj.set_ylabel("objective: estimated step time (ms)")
     ax_obj.set_title("Objective by solver and mesh")

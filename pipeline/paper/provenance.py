@@ -12,7 +12,7 @@ from typing import Any
 
 from pipeline.config import config_hash, stage_code_hash
 from pipeline.paper.experiment import SIDECAR_SUFFIX
-from pipeline.paper.tables import mesh_order, row_config, row_layers, row_width
+from pipeline.paper.tables import mesh_order, row_config, row_layers, row_value, row_width
 
 
 def run_provenance(runs: Any) -> list[dict[str, Any]]:
@@ -21,19 +21,20 @@ def run_provenance(runs: Any) -> list[dict[str, Any]]:
     out = []
     for _, row in runs.iterrows():
         cfg = row_config(row)
+        dirty = row_value(row, "git.dirty")
         out.append({
-            "run_id": row.get("run_id"),
-            "run_key": row.get("run_key"),
+            "run_id": row_value(row, "run_id"),
+            "run_key": row_value(row, "run_key"),
             "config_hash": config_hash(cfg) if cfg else None,
-            "git_revision": row.get("git.revision"),
-            "git_dirty": None if row.get("git.dirty") is None else bool(row.get("git.dirty")),
-            "revision_label": row.get("revision_label"),
-            "model": row.get("model"),
+            "git_revision": row_value(row, "git.revision"),
+            "git_dirty": None if dirty is None else bool(dirty),
+            "revision_label": row_value(row, "revision_label"),
+            "model": row_value(row, "model"),
             "n_layers": row_layers(row, cfg),
-            "mesh": row.get("mesh"),
-            "hardware": row.get("hardware"),
-            "cost_mode": row.get("cost_mode"),
-            "solver": row.get("solver"),
+            "mesh": row_value(row, "mesh"),
+            "hardware": row_value(row, "hardware"),
+            "cost_mode": row_value(row, "cost_mode"),
+            "solver": row_value(row, "solver"),
         })
     return out
 
@@ -63,20 +64,23 @@ def describe_runs(runs: Any) -> str:
     def values(col: str) -> list[str]:
         if col not in runs:
             return []
-        return [str(v) for v in dict.fromkeys(runs[col].tolist()) if v is not None]
+        return [str(v) for v in dict.fromkeys(row_value({col: v}, col)
+                                               for v in runs[col].tolist()) if v is not None]
 
     cfgs = [row_config(row) for _, row in runs.iterrows()]
     models = []
     for row, cfg in zip(runs.to_dict("records"), cfgs):
-        text = (f"{row.get('model')} ({row_layers(row, cfg) or '?'} layers, "
+        text = (f"{row_value(row, 'model') or '?'} ({row_layers(row, cfg) or '?'} layers, "
                 f"dim {row_width(row, cfg) or '?'})")
         if text not in models:
             models.append(text)
     meshes = sorted(values("mesh"), key=mesh_order)
     revs = []
     for row in runs.to_dict("records"):
-        rev = row.get("revision_label") or str(row.get("git.revision") or "unknown")[:8]
-        rev += "+dirty" if row.get("git.dirty") and not row.get("revision_label") else ""
+        label = row_value(row, "revision_label")
+        rev = str(label) if label is not None else str(row_value(row, "git.revision")
+                                                        or "unknown")[:8]
+        rev += "+dirty" if row_value(row, "git.dirty") and label is None else ""
         if rev not in revs:
             revs.append(rev)
     parts = [
@@ -86,7 +90,8 @@ def describe_runs(runs: Any) -> str:
         "solver " + ", ".join(values("solver")),
         "costs " + ", ".join(values("cost_mode")),
     ]
-    ids = ", ".join(str(v) for v in runs["run_id"].tolist()) if "run_id" in runs else ""
+    ids = ", ".join(str(row_value({"id": v}, "id")) for v in runs["run_id"].tolist()) \
+        if "run_id" in runs else ""
     return "; ".join(parts) + f"\nruns {ids}; git {', '.join(revs)}"
 
 

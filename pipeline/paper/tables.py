@@ -66,7 +66,9 @@ def row_config(row: Any) -> dict[str, Any]:
     return json.loads(text) if isinstance(text, str) and text else {}
 
 
-def _row_value(row: Any, key: str) -> Any:
+def row_value(row: Any, key: str) -> Any:
+    """A column of a runs-table row; ``None`` when absent, null or NaN (pandas fills the
+    cells of a column some records lack with NaN)."""
     value = row.get(key) if hasattr(row, "get") else None
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return None
@@ -76,7 +78,7 @@ def _row_value(row: Any, key: str) -> Any:
 def row_layers(row: Any, cfg: dict[str, Any]) -> int | None:
     """Depth of a run's model: the repeated blocks the trace found (``model_info.layers``
     of the run record, any model family), else the LLaMA config's ``n_layers``."""
-    value = _row_value(row, "model_info.layers")
+    value = row_value(row, "model_info.layers")
     if value is None:
         value = cfg.get("model", {}).get("n_layers")
     return None if value is None else int(value)
@@ -84,7 +86,7 @@ def row_layers(row: Any, cfg: dict[str, Any]) -> int | None:
 
 def row_width(row: Any, cfg: dict[str, Any]) -> int | None:
     """Width (hidden size) of a run's model: ``model_info.width``, else LLaMA's ``dim``."""
-    value = _row_value(row, "model_info.width")
+    value = row_value(row, "model_info.width")
     if value is None:
         value = cfg.get("model", {}).get("dim")
     return None if value is None else int(value)
@@ -92,7 +94,7 @@ def row_width(row: Any, cfg: dict[str, Any]) -> int | None:
 
 def row_float(row: Any, col: str) -> float:
     """A column of a runs-table row as a float; NaN when absent or not a number."""
-    value = row.get(col)
+    value = row.get(col) if hasattr(row, "get") else None
     if value is None:
         return float("nan")
     try:
@@ -201,7 +203,7 @@ COST_MODEL_KEYS: tuple[str, ...] = ("model", "mesh", "mesh_names", "hardware", "
 
 
 def _plan_name(row: Any) -> str:
-    recipe = _row_value(row, "recipe")
+    recipe = row_value(row, "recipe")
     return "planner" if recipe is None else str(recipe)
 
 

@@ -23,5 +23,7 @@ rule bench:
         out=str(Path(PLAN_CFG.results_dir) / "bench"),
     log:
         str(Path(PLAN_CFG.results_dir) / "bench" / f"{BENCH_SUITE}.log"),
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.bench --suite {params.suite:q} --out {params.out:q} 2>&1 | tee {log:q}"

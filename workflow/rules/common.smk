@@ -14,11 +14,16 @@
 # A bad value prints one line on stderr and exits with status 2 before any job runs.
 
 import functools
+import os
 import shlex
 import sys
 from pathlib import Path
 
 PROJECT_ROOT = Path(workflow.basedir).parent
+
+# The software environment of every rule (relative to workflow/rules/, where the rules
+# are), used with --use-conda; see workflow/envs/pipeline.yaml.
+CONDA_ENV = "../envs/pipeline.yaml"
 if str(PROJECT_ROOT) not in sys.path:
     sys.path.insert(0, str(PROJECT_ROOT))
 
@@ -47,10 +52,15 @@ PAPER_OVERRIDES = experiment_overrides(overrides_from_snakemake(config, sys.argv
 
 # Jobs run `python -m pipeline.cli` with this interpreter and this checkout first on the
 # import path, so they run the same code whether or not the package is installed.
+# A job's stderr goes to its log; fd 3 keeps Snakemake's stderr, where the stage prints
+# its one-line error too (PIPELINE_ERROR_FD, pipeline/cli.py).
 # (The prefix is formatted like a shell command: literal braces are doubled.)
+# Under --use-conda the job's own environment (CONDA_ENV) is active instead: a
+# CONDA_PREFIX other than Snakemake's own leaves PATH alone.
 shell.prefix(
-    "set -euo pipefail; "
-    + f"export PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"; "
+    "set -euo pipefail; exec 3>&2; export PIPELINE_ERROR_FD=3; "
+    + f"if [ \"${{{{CONDA_PREFIX:-}}}}\" = {shlex.quote(os.environ.get('CONDA_PREFIX', ''))} ]; "
+    + f"then export PATH={shlex.quote(str(Path(sys.executable).parent))}:\"$PATH\"; fi; "
     + f"export PYTHONPATH={shlex.quote(str(PROJECT_ROOT))}"
     + "${{PYTHONPATH:+:$PYTHONPATH}}; "
 )

@@ -12,6 +12,8 @@ rule costs_lazy:
         run_log("costs", "lazy"),
     benchmark:
         run_benchmark("costs", "lazy")
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.cli costs {params.overrides:q} > {log} 2>&1"
 
@@ -28,5 +30,7 @@ rule costs_eager:
         run_log("costs", "eager"),
     benchmark:
         run_benchmark("costs", "eager")
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.cli costs {params.overrides:q} > {log} 2>&1"

@@ -24,6 +24,8 @@ rule paper:
         code=stage_code("paper"),
     log:
         paper_log(),
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.paper --no-run {params.overrides:q} > {log} 2>&1 && "
         "python -m pipeline.report_html table {output.tables:q} >> {log} 2>&1"

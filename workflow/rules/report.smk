@@ -31,6 +31,8 @@ rule report:
         stage_log("report"),
     benchmark:
         stage_benchmark("report")
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.cli report {params.overrides:q} > {log} 2>&1 && "
         "python -m pipeline.report_html runs {output.runs:q} {params.page:q} >> {log} 2>&1"

@@ -27,5 +27,7 @@ if SHAPES is not None:
             code=shapes_code_hash(),
         log:
             str(SHAPES.out_dir / "shapes.log"),
+        conda:
+            CONDA_ENV
         shell:
             "python -m pipeline.shapes {params.args:q} > {log} 2>&1"

@@ -10,5 +10,7 @@ rule solve:
         run_log("solve"),
     benchmark:
         run_benchmark("solve")
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.cli solve {params.overrides:q} > {log} 2>&1"

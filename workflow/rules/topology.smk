@@ -10,5 +10,7 @@ rule topology:
         run_log("topology"),
     benchmark:
         run_benchmark("topology")
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.cli topology {params.overrides:q} > {log} 2>&1"

@@ -8,5 +8,7 @@ rule trace:
         run_log("trace"),
     benchmark:
         run_benchmark("trace")
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.cli trace {params.overrides:q} > {log} 2>&1"

@@ -16,5 +16,7 @@ rule verify:
         str(PLAN_DIRS.solve / "verify.log"),
     benchmark:
         str(PLAN_DIRS.solve / "benchmark-verify.tsv")
+    conda:
+        CONDA_ENV
     shell:
         "python -m pipeline.verify {params.overrides:q} > {log} 2>&1"

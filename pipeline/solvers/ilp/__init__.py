@@ -29,6 +29,7 @@ import numpy as np
 from pipeline.solvers.errors import FractionalRelaxationError, InfeasibleError
 from pipeline.solvers.ilp.cbc import CBC_HARD_LIMIT_FACTOR, parse_cbc_log, solve_cbc
 from pipeline.solvers.ilp.highs import solve_highs, write_mps
+from pipeline.solvers.ilp.interrupts import signals_raise
 from pipeline.solvers.ilp.model import INTEGRALITY_TOL, BackendOutcome, IlpModel, build_model
 from pipeline.solvers.mrf import MRF, row_value
 from pipeline.solvers.options import BACKENDS, IlpOptions, LpOptions
@@ -55,13 +56,18 @@ __all__ = [
 def solve_model(model: IlpModel, backend: str, *, relax: bool, time_limit_s: float | None,
                 mip_gap: float, threads: int, msg: bool,
                 mps_path: str | Path | None) -> BackendOutcome:
-    """Run ``backend`` (one of :data:`BACKENDS`) on a built model."""
+    """Run ``backend`` (one of :data:`BACKENDS`) on a built model. With ``cbc``, SIGTERM /
+    SIGINT end the solve with the child process killed and its temp directory removed
+    (:func:`pipeline.solvers.ilp.interrupts.signals_raise`); HiGHS runs in this process,
+    so the signal's default action ends it at once (the temp file of an interrupted MPS
+    write is removed by the next run of the stage, pipeline/cli.py)."""
     kw = dict(relax=relax, time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads,
               msg=msg, mps_path=mps_path)
     if backend == "highs":
         return solve_highs(model, **kw)
     if backend == "cbc":
-        return solve_cbc(model, **kw)
+        with signals_raise():
+            return solve_cbc(model, **kw)
     raise ValueError(f"unknown ILP backend {backend!r}; choose one of {BACKENDS}")
 
 

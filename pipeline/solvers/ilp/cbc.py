@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.solvers.ilp.highs import highs_lp, new_highs, write_mps_highs
+from pipeline.solvers.ilp.interrupts import die_with_parent
 from pipeline.solvers.ilp.model import BackendOutcome, IlpModel
 from pipeline.solvers.result import relative_gap
 from pipeline.solvers.status import FEASIBLE_TIME_LIMIT, NOT_SOLVED, OPTIMAL, map_pulp_status
@@ -139,6 +140,7 @@ def solve_cbc(model: IlpModel, *, relax: bool, time_limit_s: float | None, mip_g
                 text=True,
                 timeout=hard,
                 check=False,
+                preexec_fn=die_with_parent,  # not outliving this process, even on SIGKILL
             )
             stdout, returncode = proc.stdout, proc.returncode
         except subprocess.TimeoutExpired as exc:  # subprocess.run has killed CBC
