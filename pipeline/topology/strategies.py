@@ -419,7 +419,7 @@ class StrategyEnumerator:
             seen.add(key)
             outs.append(out)
             ins.append(tuple(inp))
-        return StrategyList(tuple(outs), tuple(ins))
+        return _reachable(outs, ins)
 
     def _collect_tuple(self, node: IRNode, metas: list[dict], strat: Any) -> StrategyList | None:
         children = [c for c in strat.children]
@@ -446,6 +446,19 @@ class StrategyEnumerator:
         else:
             out = replicate
         return StrategyList((out,), (tuple(replicate for _ in metas),), fallback=True)
+
+
+def _reachable(outs: list, ins: list) -> StrategyList:
+    """The strategies DTensor can run: of those expecting the same input placements only
+    the last. With its inputs already in place DTensor's sharding propagation
+    (``_select_min_cost_strategy``) takes the last strategy that needs no
+    redistribution, so the others never run (``new_zeros`` offers outputs R and S(0) for
+    an S(0) input; DTensor produces S(0)). Order is kept."""
+    last = {inp: k for k, inp in enumerate(ins)}
+    keep = [k for k, inp in enumerate(ins) if last[inp] == k]
+    if len(keep) == len(ins):
+        return StrategyList(tuple(outs), tuple(ins))
+    return StrategyList(tuple(outs[k] for k in keep), tuple(ins[k] for k in keep))
 
 
 @contextlib.contextmanager
