@@ -198,8 +198,27 @@ def prepare(world: int, max_dims: int, overrides: Sequence[str]) -> ShapeSweep:
 
     configs = [load_resolved([*overrides, *shape_overrides(s)])
                for s in factorisations(world, max_dims)]
-    preflight_trace(configs[0])  # the model is the same for every shape
+    # the model is the same for every shape: check it once, on a shape whose inputs can
+    # be sharded as asked (a shape that cannot is a failed row of the table, not an error
+    # of the sweep)
+    preflight_trace(next((c for c in configs if _inputs_fit(c)), configs[0]))
     return ShapeSweep(world, max_dims, tuple(overrides), tuple(configs))
+
+
+def _check_inputs(cfg: DictConfig) -> None:
+    """ConfigError (one line) when the shape cannot shard the inputs as asked."""
+    from pipeline.config.validate import check_input_sharding
+
+    if cfg.get("recipe") is None:  # a recipe places the inputs itself
+        check_input_sharding(cfg, list(cfg.mesh), list(cfg.mesh_names))
+
+
+def _inputs_fit(cfg: DictConfig) -> bool:
+    try:
+        _check_inputs(cfg)
+    except ConfigError:
+        return False
+    return True
 
 
 def sweep_dir(cfg: DictConfig, world: int, max_dims: int) -> Path:
@@ -267,10 +286,11 @@ def run_shapes(sweep: ShapeSweep) -> Any:
     draw each run's plan picture, then the report over all runs; write the table and
     the figure. Returns the table (pandas, best first).
 
-    A shape the planner refuses (one of :data:`pipeline.cli.USER_ERRORS`: e.g. the
-    default input placement ``S(0)`` on a first dim larger than the batch, or no plan
-    within the memory limit) is a row with status ``failed`` and the one-line reason in
-    ``error``, after every planned shape; the sweep goes on. Other errors stop it.
+    A shape the planner refuses (its inputs cannot be sharded as asked, e.g. the default
+    ``S(0)`` on a first dim larger than the batch, or one of
+    :data:`pipeline.cli.USER_ERRORS`, e.g. no plan within the memory limit) is a row with
+    status ``failed`` and the one-line reason in ``error``, after every planned shape;
+    the sweep goes on. Other errors stop it.
     """
     from pipeline.cli import USER_ERRORS, run_stage
     from pipeline.plan_picture import ensure_plan_picture
@@ -282,9 +302,10 @@ def run_shapes(sweep: ShapeSweep) -> Any:
         log.info("shape %d/%d: %s (%s)", i, len(sweep.configs), mesh_label(shape),
                  ",".join(cfg.mesh_names))
         try:
+            _check_inputs(cfg)
             for stage in _RUN_STAGES:
                 run_stage(stage, cfg, dirs)
-        except USER_ERRORS as err:
+        except (*USER_ERRORS, ConfigError) as err:
             failed[shape] = str(err).splitlines()[0] if str(err) else type(err).__name__
             log.warning("shape %s: not planned: %s", mesh_label(shape), failed[shape])
             continue

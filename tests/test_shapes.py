@@ -223,3 +223,15 @@ def test_table_puts_planned_shapes_first_and_failed_ones_last(tmp_path: Path) ->
     assert list(table["mesh"]) == ["8", "2x4"]
     assert table["step_time_us"].isna().tolist() == [True, False]
     assert table["step_time_us"][1] == 25.0
+
+
+def test_a_shape_whose_inputs_cannot_be_sharded_does_not_stop_the_sweep(tmp_path: Path) -> None:
+    """toy's batch of 16 cannot be split over a first mesh dim of 64 or 32: those two
+    shapes are failed rows of the sweep, the other 14 of world=64 are planned (the
+    sweep's check of the model runs on a shape that fits)."""
+    from pipeline.shapes import _inputs_fit, prepare
+
+    sweep = prepare(64, 3, ["model=toy", f"results_dir={tmp_path}"])
+    assert len(sweep.configs) == 16
+    unfit = sorted(tuple(int(d) for d in c.mesh) for c in sweep.configs if not _inputs_fit(c))
+    assert unfit == [(32, 2), (64,)]

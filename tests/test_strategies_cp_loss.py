@@ -24,15 +24,12 @@ from pipeline.topology import IRNode, StrategyEnumerator, device_mesh
 HW = OmegaConf.create({
     "name": "h100", "peak_flops_bf16": 989.0e12, "peak_flops_fp32": 67.0e12,
     "hbm_bandwidth": 3.35e12, "compute_efficiency": 0.7, "memory_efficiency": 0.7,
-    "kernel_floor_us": 7.0, "gpus_per_node": 8,
-    "intra_node": {"all_gather_bw": 390.0e9, "all_gather_latency_us": 30.0,
-                   "reduce_scatter_bw": 390.0e9, "reduce_scatter_latency_us": 30.0,
-                   "all_reduce_bw": 270.0e9, "all_reduce_latency_us": 31.0,
-                   "all_to_all_bw": 390.0e9, "all_to_all_latency_us": 30.0},
-    "inter_node": {"all_gather_bw": 50.0e9, "all_gather_latency_us": 30.0,
-                   "reduce_scatter_bw": 50.0e9, "reduce_scatter_latency_us": 30.0,
-                   "all_reduce_bw": 50.0e9, "all_reduce_latency_us": 31.0,
-                   "all_to_all_bw": 50.0e9, "all_to_all_latency_us": 30.0}})
+    "kernel_floor_us": 7.0, "gpus_per_node": 8, "nics_per_node": 8,
+    "device_memory_bytes": 80 * 2**30, "hierarchical_all_reduce": False,
+    # the 2 x 4 mesh fits one node: every collective runs on NVLink (bus bandwidth 390
+    # GB/s, 30 µs a ring pass; an all-reduce is a reduce-scatter + an all-gather)
+    "intra_node": {"bandwidth": 390.0e9, "latency_us": 30.0},
+    "inter_node": {"bandwidth": 50.0e9, "latency_us": 40.0}})
 MESH = (2, 4)
 HBM = 3.35e12 * 0.7  # bytes/s, the roofline's memory side
 
@@ -265,11 +262,11 @@ def test_vocab_parallel_loss_strategies(enumerator: StrategyEnumerator) -> None:
 def test_vocab_parallel_all_reduces_by_hand() -> None:
     """Logits [64, 1024] fp32 as S(0)S(1) on the 2 x 4 mesh: 32 local rows, so the
     softmax all-reduces 32 maxima and 32 sums of exponentials over cp (4 ranks, 128
-    bytes each): 2 x (31 + 2 * 3/4 * 128 / 270e9 * 1e6) µs; its backward one all-reduce
+    bytes each): 2 x (2 * 30 + 2 * 3/4 * 128 / 390e9 * 1e6) µs; its backward one all-reduce
     of the 32 row sums of the gradient; batch-sharded logits (S(0)R) none."""
     from pipeline.costmodel.op_comm import op_collectives, op_comm_us
 
-    one = 31.0 + 2 * (3 / 4) * 128 / 270e9 * 1e6
+    one = 2 * 30.0 + 2 * (3 / 4) * 128 / 390e9 * 1e6
     pl = parse_placements("S(0)S(1)")
     fwd = op_collectives("aten._log_softmax.default", [None, -1, False], [N, V], pl,
                          (32, 256), 4)
@@ -353,7 +350,7 @@ def test_toy_softmax_unary_holds_its_all_reduces(toy) -> None:
 
     cm = CostModel(toy, HW, memoise=True)
     target = toy.nodes["target"]
-    one = 31.0 + 2 * (3 / 4) * 256 / 270e9 * 1e6
+    one = 2 * 30.0 + 2 * (3 / 4) * 256 / 390e9 * 1e6
     for op, count in (("aten._log_softmax.default", 2),
                       ("aten._log_softmax_backward_data.default", 1)):
         v = target.index(op)
