@@ -461,7 +461,10 @@ def plan_step_inputs(topology: Any, cost_model: Any, strategy: Any, parts: Any,
         names=list(nodes["name"]), phase=list(nodes["phase"]), layer=layer,
         role=list(nodes["role"]), placeholder=[t == "placeholder" for t in target],
         sink=[t == "output" for t in target], weight_derived=list(weight_derived),
-        compute_us=[float(x) for x in parts.compute_us], edges=[
+        # a fused pointwise op runs in its producer's kernel: its compute less the fusion
+        # term of its incoming edges (<= 0, never below its remaining memory time)
+        compute_us=[max(0.0, float(x) + float(f))
+                    for x, f in zip(parts.compute_us, parts.fusion_us, strict=True)], edges=[
             (int(u), int(v)) for u, _, v, _ in cost_model.edges],
         steps=steps, num_dims=len(cost_model.mesh_shape))
 
