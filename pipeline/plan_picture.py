@@ -579,12 +579,16 @@ def drawable(solve_dir: Path) -> bool:
             and any(GRAPH.path(p).exists() for p in solve_dir.resolve().parents))
 
 
-def draw_plan_pictures(results_dir: Path | str) -> list[Path]:
+def draw_plan_pictures(results_dir: Path | str,
+                       solve_dirs: Sequence[Path] | None = None) -> list[Path]:
     """The report step's hook: draw the picture of every run under
-    ``results_dir/runs`` whose picture is not current; the solve directories drawn."""
+    ``results_dir/runs`` (or of the runs ``solve_dirs``: the report passes the ones it
+    trusts) whose picture is not current; the solve directories drawn."""
     drawn = []
-    for record in sorted(Path(results_dir, "runs").glob(f"**/{RUN.name}")):
-        solve_dir = record.parent
+    if solve_dirs is None:
+        solve_dirs = [r.parent for r in sorted(Path(results_dir, "runs").glob(f"**/{RUN.name}"))]
+    for solve_dir in solve_dirs:
+        solve_dir = Path(solve_dir)
         if not drawable(solve_dir):
             log.info("plan picture: %s lacks the run's tables or trace; not drawn", solve_dir)
             continue

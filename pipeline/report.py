@@ -241,7 +241,7 @@ def run_report(results_dir: Path) -> None:
     artifacts.write_table(RECIPES, out, _recipe_table(recipes), metadata={"rows": len(recipes)})
     from pipeline.plan_picture import draw_plan_pictures  # each run's plan.png / plan.svg
 
-    draw_plan_pictures(results_dir)
+    draw_plan_pictures(results_dir, run_dirs)
     artifacts.write_table(RUNS, out, table, metadata={
         "runs": len(rows), "git": runtime.git_revision()})
     log.info("report: %d runs, %d placement rows, %d redistribution rows -> %s", len(rows),

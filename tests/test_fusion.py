@@ -21,15 +21,10 @@ from pipeline.topology import device_mesh
 HW = OmegaConf.create({
     "name": "h100", "peak_flops_bf16": 989.0e12, "peak_flops_fp32": 67.0e12,
     "hbm_bandwidth": 3.35e12, "compute_efficiency": 0.7, "memory_efficiency": 0.7,
-    "kernel_floor_us": 7.0, "gpus_per_node": 8,
-    "intra_node": {"all_gather_bw": 390.0e9, "all_gather_latency_us": 30.0,
-                   "reduce_scatter_bw": 390.0e9, "reduce_scatter_latency_us": 30.0,
-                   "all_reduce_bw": 270.0e9, "all_reduce_latency_us": 31.0,
-                   "all_to_all_bw": 390.0e9, "all_to_all_latency_us": 30.0},
-    "inter_node": {"all_gather_bw": 50.0e9, "all_gather_latency_us": 30.0,
-                   "reduce_scatter_bw": 50.0e9, "reduce_scatter_latency_us": 30.0,
-                   "all_reduce_bw": 50.0e9, "all_reduce_latency_us": 31.0,
-                   "all_to_all_bw": 50.0e9, "all_to_all_latency_us": 30.0}})
+    "kernel_floor_us": 7.0, "gpus_per_node": 8, "nics_per_node": 8,
+    "device_memory_bytes": 80 * 2**30, "hierarchical_all_reduce": False,
+    "intra_node": {"bandwidth": 390.0e9, "latency_us": 30.0},
+    "inter_node": {"bandwidth": 50.0e9, "latency_us": 40.0}})
 HBM = 3.35e12 * 0.7
 MESH = (2, 4)
 TOY = dict(name="toy", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim_multiplier=1.0,

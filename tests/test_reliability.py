@@ -47,8 +47,8 @@ FINITE = "allowed a finite number (inf, -inf and nan are refused)"
 
 
 @pytest.mark.parametrize("override", [
-    "hardware.peak_flops_bf16=inf", "hardware.intra_node.all_gather_bw=inf",
-    "hardware.inter_node.reduce_scatter_latency_us=inf", "solver.tol=inf",
+    "hardware.peak_flops_bf16=inf", "hardware.intra_node.bandwidth=inf",
+    "hardware.inter_node.latency_us=inf", "solver.tol=inf",
     "solver.time_limit_s=inf", "hardware.hbm_bandwidth=inf"])
 def test_an_infinite_number_is_refused_naming_the_key(override):
     with pytest.raises(ConfigError) as err:

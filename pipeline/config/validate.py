@@ -331,6 +331,8 @@ def resolve(cfg: DictConfig) -> DictConfig:
     if not (isinstance(out.hardware.name, str) and _NAME_RE.match(out.hardware.name)):
         raise ConfigError(f"hardware.name={_shown(out.hardware.name)}: allowed letters, "
                           "digits, '.', '_', '-' (used in result paths)")
+    # non-finite numbers first, with the one message every section gives them
+    check_finite(OmegaConf.to_container(out.hardware, resolve=True), "hardware.")
     try:
         validate_hardware(out.hardware)
     except ValueError as err:
