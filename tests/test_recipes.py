@@ -112,11 +112,13 @@ def test_recipes_report(toy_results: object, tmp_path: Path) -> None:
     runs = [toy_results.run(*o) for o in (*RECIPE_RUNS, FREE, MESH)]  # type: ignore
     root = Path(toy_results.root)  # type: ignore[attr-defined]
     run_report_dir = tmp_path / "results"
-    for run in runs:  # copy the run records only: the report reads run.json files
+    for run in runs:  # copy the solve directories: the report trusts a run record whose
+        # placement hash matches its solution.parquet
         rel = Path(run.dirs.solve).relative_to(root)
         dest = run_report_dir / rel
         dest.mkdir(parents=True)
-        (dest / "run.json").write_text((Path(run.dirs.solve) / "run.json").read_text())
+        for name in ("run.json", "solution.parquet", "redistributions.parquet"):
+            (dest / name).write_bytes((Path(run.dirs.solve) / name).read_bytes())
     run_report(run_report_dir)
     table = pq.read_table(run_report_dir / "report" / "recipes.parquet").to_pylist()
     assert len(table) == 4 * 2
