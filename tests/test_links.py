@@ -304,7 +304,8 @@ def test_preset_values():
      "hardware.inter_node.bandwidth=-50000000000.0 is invalid: must be a number > 0 (bytes/s)"),
     ("hardware.inter_node.bandwidth=fast", "hardware.inter_node.bandwidth=fast: allowed a number"),
     ("hardware.intra_node.bandwidth=inf",
-     "hardware.intra_node.bandwidth=inf is invalid: must be a number > 0 (bytes/s)"),
+     "hardware.intra_node.bandwidth=inf: allowed a finite number (inf, -inf and nan are "
+     "refused)"),
     ("hardware.intra_node.latency_us=-1",
      "hardware.intra_node.latency_us=-1.0 is invalid: must be a number >= 0 (µs)"),
     ("hardware.inter_node.latency_us=soon",
