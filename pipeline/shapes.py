@@ -201,7 +201,9 @@ def prepare(world: int, max_dims: int, overrides: Sequence[str]) -> ShapeSweep:
     # the model is the same for every shape: check it once, on a shape whose inputs can
     # be sharded as asked (a shape that cannot is a failed row of the table, not an error
     # of the sweep)
-    preflight_trace(next((c for c in configs if _inputs_fit(c)), configs[0]))
+    fit = next((c for c in configs if _inputs_fit(c)), None)
+    if fit is not None:  # none fits: every shape is a failed row
+        preflight_trace(fit)
     return ShapeSweep(world, max_dims, tuple(overrides), tuple(configs))
 
 

@@ -183,8 +183,9 @@ def test_toy_sweep_end_to_end(jobs, toy_results, tmp_path_factory) -> None:
 @pytest.mark.toy_runs(("mesh=8", "lazy_costs=true"))
 def test_a_shape_the_planner_refuses_is_a_failed_row(toy_results, tmp_path: Path,
                                                      capsys) -> None:
-    """32 devices on one dim: the default input placement S(0) shards the toy batch of 16
-    over 32 devices, which DTensor cannot: the row says why, the sweep completes."""
+    """32 devices on one dim: the default input placement S(0) would shard the toy batch
+    of 16 over 32 devices: the row says why (naming model.batch_size), the sweep
+    completes."""
     results = tmp_path / "results"
     toy_results.copy_run(results, "mesh=8", "lazy_costs=true", upto="trace")  # the trace
     assert shapes.main(["world=32", "max_dims=1", "model=toy", f"results_dir={results}"]) == 0
@@ -193,7 +194,8 @@ def test_a_shape_the_planner_refuses_is_a_failed_row(toy_results, tmp_path: Path
     table = pd.read_parquet(out / "shapes.parquet")
     assert list(table["mesh"]) == ["32"] and list(table["status"]) == ["failed"]
     assert table["objective"].isna().all()
-    assert table["error"][0].startswith("constraints.inputs: placement=S(0) is not a strategy")
+    assert table["error"][0].startswith(
+        "model.batch_size=16: the inputs are sharded on mesh dims dp (32)")
     assert "| 32 | dp | 1 |" in (out / "shapes.md").read_text()
     assert (out / "shapes.png").exists()
 
