@@ -344,3 +344,26 @@ def toy_configs_of(items: Sequence[pytest.Item]) -> list[tuple[int, tuple[str, .
             for config in mark.args:
                 out.append((i, tuple(o.format(**params) for o in config)))
     return out
+
+
+def traced_topology(tmp: Path, model: dict, mesh: tuple[int, ...],
+                    names: tuple[str, ...]) -> Any:
+    """Trace ``model`` (a model config dict) and build its topology on ``mesh`` named
+    ``names`` (forward/backward consistency on, repeated layers grouped), written to and
+    read back from ``tmp``: the topology tables the cost-model tests start from."""
+    import math
+
+    from pipeline.topology import (
+        build_topology,
+        device_mesh,
+        load_nodes,
+        read_topology,
+        write_topology,
+    )
+    from pipeline.trace import trace_model
+
+    table, _ = trace_model(model, math.prod(mesh))
+    topo = build_topology(load_nodes(table), device_mesh(mesh, names), mesh, names,
+                          {"fwd_bwd_consistency": True}, True)
+    write_topology(topo, tmp, {"stage": "topology"})
+    return read_topology(tmp)

@@ -19,10 +19,10 @@ formula ``lat + (n-1)/n * S / bw`` with ``S`` worked out here from the shapes.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures import traced_topology
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from pipeline.costmodel.comm import mesh_collective_params
@@ -30,7 +30,7 @@ from pipeline.costmodel.fsdp import CollectiveOptions, edge_policy, param_units
 from pipeline.costmodel.hardware import COLLECTIVES, HardwareConfig
 from pipeline.costs import TRANSITION_COST, CostModel, build_mrf
 from pipeline.memory.graph import step_graph
-from pipeline.topology import TopologyTables, read_topology
+from pipeline.topology import TopologyTables
 
 TOY = dict(name="toy", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim_multiplier=1.0,
            multiple_of=256, ffn_hidden_overrides={}, rope_theta=500000.0, norm_eps=1e-5,
@@ -42,15 +42,7 @@ HW = HardwareConfig()
 
 @pytest.fixture(scope="module")
 def toy8(tmp_path_factory: pytest.TempPathFactory) -> TopologyTables:
-    from pipeline.topology import build_topology, device_mesh, load_nodes, write_topology
-    from pipeline.trace import trace_model
-
-    tmp: Path = tmp_path_factory.mktemp("toy8")
-    table, _ = trace_model(TOY, N)
-    topo = build_topology(load_nodes(table), device_mesh((N,), ("dp",)), (N,), ("dp",),
-                          {"fwd_bwd_consistency": True}, True)
-    write_topology(topo, tmp, {"stage": "topology"})
-    return read_topology(tmp)
+    return traced_topology(tmp_path_factory.mktemp("toy8"), TOY, (N,), ("dp",))
 
 
 def _link(kind: str) -> tuple[float, float]:

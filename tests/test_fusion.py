@@ -9,14 +9,13 @@ Hardware: the H100 numbers written out below.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures import traced_topology
 from omegaconf import OmegaConf
 
 from pipeline.costs import CostModel, build_mrf
-from pipeline.topology import device_mesh
 
 HW = OmegaConf.create({
     "name": "h100", "peak_flops_bf16": 989.0e12, "peak_flops_fp32": 67.0e12,
@@ -39,15 +38,7 @@ def us(nbytes: float) -> float:
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory: pytest.TempPathFactory):
-    from pipeline.topology import build_topology, load_nodes, read_topology, write_topology
-    from pipeline.trace import trace_model
-
-    tmp: Path = tmp_path_factory.mktemp("toy_fusion")
-    table, _ = trace_model(TOY, math.prod(MESH))
-    topo = build_topology(load_nodes(table), device_mesh(MESH, ("dp", "tp")), MESH,
-                          ("dp", "tp"), {"fwd_bwd_consistency": True}, True)
-    write_topology(topo, tmp, {"stage": "topology"})
-    return read_topology(tmp)
+    return traced_topology(tmp_path_factory.mktemp("toy_fusion"), TOY, MESH, ("dp", "tp"))
 
 
 def _edge(toy, producer: str, consumer: str) -> int:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from fixtures import traced_topology
 from omegaconf import OmegaConf
 
 from pipeline.placements import format_placements, parse_placements
@@ -331,15 +331,7 @@ TOY = dict(name="toy", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim_mul
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory: pytest.TempPathFactory):
-    from pipeline.topology import build_topology, load_nodes, read_topology, write_topology
-    from pipeline.trace import trace_model
-
-    tmp: Path = tmp_path_factory.mktemp("toy_cp")
-    table, _ = trace_model(TOY, math.prod(MESH))
-    topo = build_topology(load_nodes(table), device_mesh(MESH, ("dp", "cp")), MESH,
-                          ("dp", "cp"), {"fwd_bwd_consistency": True}, True)
-    write_topology(topo, tmp, {"stage": "topology"})
-    return read_topology(tmp)
+    return traced_topology(tmp_path_factory.mktemp("toy_cp"), TOY, MESH, ("dp", "cp"))
 
 
 def test_toy_softmax_unary_holds_its_all_reduces(toy) -> None:
