@@ -45,7 +45,8 @@ class PlanBreakdown:
         redistributions: one dict per graph edge whose producer and consumer
             placements differ, in graph-edge order: ``producer``, ``element``,
             ``consumer``, ``arg``, ``shape``, ``dtype``, ``src_placement``,
-            ``dst_placement``, ``collectives`` (``kind(mesh dim name)``), ``bytes``
+            ``dst_placement``, ``collectives`` (``kind(mesh dim name)``, see
+            :func:`collective_name`), ``bytes``
             (sent per device, summed over steps), ``times`` (runs per step: 2 when
             checkpointing recomputes it), ``comm_us`` (all runs) and
             ``collective_steps`` (the redistribute steps that are collectives, for
@@ -61,6 +62,13 @@ class PlanBreakdown:
     def __post_init__(self) -> None:
         if self.fusion_us is None:
             self.fusion_us = np.zeros_like(self.compute_us)
+
+
+def collective_name(step: Any, mesh_names: list[str]) -> str:
+    """``kind(mesh dim)`` of a collective step, e.g. ``reduce_scatter(dp)``; a flattened
+    collective names its mesh dims joined by ``+``: ``all_gather(dp+tp)``
+    (pipeline/costmodel/redistribute/flatten.py)."""
+    return f"{step.kind}({'+'.join(mesh_names[d] for d in step.mesh_dims)})"
 
 
 def plan_breakdown(cost_model: Any, strategy: np.ndarray,
@@ -104,11 +112,11 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
         if hit is None:
             src, dst = srcs[i], dsts[j]
             meta = cost_model.in_metas[v][a]
-            reduce_size, latency_scale = cost_model.edge_collective_policy(e)
+            reduce_size, latency_scale, flatten = cost_model.edge_collective_policy(e)
             steps = redistribute_steps(meta["shape"], itemsize(meta["dtype"]), src, dst,
                                        cost_model.mesh_shape, cost_model.hw,
                                        reduce_itemsize=reduce_size,
-                                       latency_scale=latency_scale)
+                                       latency_scale=latency_scale, flatten=flatten)
             us = math.inf if steps is None else 0.0
             for st in steps or ():
                 us += st.us
@@ -122,7 +130,7 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
                     "reduce_dtype": _reduce_dtype(steps, str(meta["dtype"]), reduce_size),
                     "src_placement": format_placements(src),
                     "dst_placement": format_placements(dst),
-                    "collectives": [f"{st.kind}({names[st.mesh_dim]})" for st in coll],
+                    "collectives": [collective_name(st, names) for st in coll],
                     "collective_steps": coll,
                     "bytes": 0 if steps is None else int(sum(st.bytes for st in steps)),
                     "times": times, "comm_us": us}

@@ -355,10 +355,10 @@ class CostModel:
         # pointwise fusion: what its term depends on beyond this key
         return key if self.fusion is None else key + self.fusion.edge_key(e)
 
-    def edge_collective_policy(self, e: int) -> tuple[int, float]:
-        """``(reduce_itemsize, latency_scale)`` of edge ``e``'s collectives
-        (:mod:`pipeline.costmodel.fsdp`; ``(0, 1.0)``: as DTensor issues them)."""
-        return (0, 1.0) if self.policy is None else self.policy.of(e)
+    def edge_collective_policy(self, e: int) -> tuple[int, float, bool]:
+        """``(reduce_itemsize, latency_scale, flatten)`` of edge ``e``'s collectives
+        (:mod:`pipeline.costmodel.fsdp`; ``(0, 1.0, False)``: as DTensor issues them)."""
+        return (0, 1.0, False) if self.policy is None else self.policy.of(e)
 
     def edge_classes(self) -> np.ndarray:
         """Class id per graph edge, int64 ``[E]``, numbered by first occurrence.
@@ -390,11 +390,11 @@ class CostModel:
         key = self._edge_key(e)
         table = self._table_memo.get(key) if self.memoise else None
         if table is None:
-            reduce_itemsize, latency_scale = self.edge_collective_policy(e)
+            reduce_itemsize, latency_scale, flatten = self.edge_collective_policy(e)
             table = redistribute_table(meta["shape"], itemsize(meta["dtype"]), srcs, dsts,
                                        self.mesh_shape, self.hw,
                                        reduce_itemsize=reduce_itemsize,
-                                       latency_scale=latency_scale)
+                                       latency_scale=latency_scale, flatten=flatten)
             times = int(self.edge_times[e])
             if times != 1:
                 table = table * times

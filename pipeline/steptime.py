@@ -11,7 +11,9 @@ scaled so that they add up to the edge's ``comm_us``). No cost formula is recomp
 
 Resources. One compute stream runs every kernel (a node with ``compute_us > 0``) one
 at a time. Each mesh dim ``d`` has one communication stream; every step of a
-redistribution runs on the stream of its mesh dim, in issue order (FIFO, like NCCL
+redistribution runs on the stream of its mesh dim (a collective over a flattened group
+of several mesh dims, pipeline/costmodel/redistribute/flatten.py, on the stream of the
+first of them), in issue order (FIFO, like NCCL
 kernels on one communicator's stream), the steps of one redistribution in plan order
 (step k+1 is issued when step k ends). A node of zero compute (a view) launches no
 kernel: it completes when its inputs arrive.
@@ -440,15 +442,19 @@ def plan_step_inputs(topology: Any, cost_model: Any, strategy: Any, parts: Any,
         total = float(row["comm_us"])
         if total == 0.0:
             continue
-        key = (tuple(row["shape"]), row["dtype"], row["src_placement"], row["dst_placement"])
+        key = (tuple(row["shape"]), row["dtype"], row["src_placement"], row["dst_placement"],
+               cost_model.edge_collective_policy(e))
         plan = memo.get(key)
         if plan is None:
             r, srcs = cost_model.out_classes(u, el)
             c, dsts = cost_model.in_classes(v, a)
             meta = cost_model.in_metas[v][a]
+            reduce_size, latency_scale, flatten = cost_model.edge_collective_policy(e)
             found = redistribute_steps(meta["shape"], itemsize(meta["dtype"]),
                                        srcs[int(r[strat[u]])], dsts[int(c[strat[v]])],
-                                       cost_model.mesh_shape, cost_model.hw) or []
+                                       cost_model.mesh_shape, cost_model.hw,
+                                       reduce_itemsize=reduce_size,
+                                       latency_scale=latency_scale, flatten=flatten) or []
             plan = memo[key] = [(st.mesh_dim, float(st.us)) for st in found]
         raw = math.fsum(us for _, us in plan)
         if raw > 0 and math.isfinite(total):

@@ -334,10 +334,35 @@ def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- driver
 
 
+def dtensor_collectives(row: dict[str, Any], mesh_shape: Sequence[int],
+                        mesh_names: Sequence[str]) -> list[str]:
+    """The collectives DTensor's ``redistribute`` issues for one row of
+    ``redistributions.parquet``: its ``collectives`` when each runs on one mesh dim;
+    else (a collective over a flattened group such as ``all_gather(dp+tp)``, priced as
+    FSDP2 runs it, pipeline/costmodel/redistribute/flatten.py) the per-mesh-dim plan of
+    ``src_placement -> dst_placement``, which is what runs here."""
+    names = list(row["collectives"] or ())
+    if not any("+" in n for n in names):
+        return names
+    from pipeline.costmodel.hardware import HardwareConfig
+    from pipeline.costmodel.redistribute import redistribute_steps
+    from pipeline.costs import itemsize
+    from pipeline.placements import parse_placements
+
+    ndim = len(mesh_shape)
+    steps = redistribute_steps(row["shape"], itemsize(row["dtype"]),
+                               parse_placements(row["src_placement"], ndim),
+                               parse_placements(row["dst_placement"], ndim),
+                               tuple(mesh_shape), HardwareConfig()) or []
+    return [f"{st.kind}({mesh_names[st.mesh_dim]})" for st in steps
+            if st.kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")]
+
+
 def planned_collectives(plan: Any) -> tuple[dict[str, int], str]:
     """The planned collective counts per ``kind(mesh dim)`` and where they came from:
     ``redistributions.parquet`` beside the plan (the run's table, one entry per
-    redistribution step) when it belongs to the same run, else the plan's own summary."""
+    redistribution step, as DTensor issues them: :func:`dtensor_collectives`) when it
+    belongs to the same run, else the plan's own summary."""
     import pyarrow.parquet as pq
 
     table_path = Path(plan.path).parent / "redistributions.parquet"
@@ -346,8 +371,9 @@ def planned_collectives(plan: Any) -> tuple[dict[str, int], str]:
         meta = json.loads((table.schema.metadata or {}).get(b"pipeline", b"{}"))
         if meta.get("run_id") == plan.run_id:
             counts: dict[str, int] = {}
-            for steps in table.column("collectives").to_pylist():
-                for name in steps or ():
+            for row in table.select(["shape", "dtype", "src_placement", "dst_placement",
+                                     "collectives"]).to_pylist():
+                for name in dtensor_collectives(row, plan.mesh_shape, plan.mesh_names):
                     counts[name] = counts.get(name, 0) + 1
             return dict(sorted(counts.items())), str(table_path)
     return plan.collective_counts(), f"{plan.path} (collectives)"
@@ -540,7 +566,8 @@ def _record(cfg: Any, plan: Any, ranks: list[dict[str, Any]], planned: dict[str,
                     "one collective (CommDebugMode, per kind and mesh dim); DTensor's CPU "
                     "all-to-all (all-gather + chunk, gloo has no all-to-all) counts as "
                     "all_to_all; planned: one per redistribution step in the collectives "
-                    "column of redistributions.parquet")},
+                    "column of redistributions.parquet, a collective over a flattened "
+                    "group as DTensor's per-mesh-dim steps")},
         "memory": {"peak_local_bytes_per_rank": peak, **_predicted_memory(solve_dir)},
     }
 

@@ -292,8 +292,10 @@ def test_torch_styles_agree_with_the_runs_redistributions(run) -> None:
 
     def gathered_on(node: str, dim: str) -> bool:
         reach = {node} | set(consumers.get(node, []))  # the placeholder and its cast
-        return any(r["producer_name"] in reach and f"all_gather({dim})" in r["collectives"]
-                   for r in redist)
+        # a gather over a flattened group (all_gather(dp+tp)) gathers on each of its dims
+        return any(r["producer_name"] in reach and any(
+            c.startswith("all_gather(") and dim in c[len("all_gather("):-1].split("+")
+            for c in r["collectives"]) for r in redist)
 
     checked = 0
     for module, style in styles.modules.items():

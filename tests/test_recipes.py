@@ -16,7 +16,10 @@ import pytest
 from pipeline.topology.pins import RECIPES, recipe_dim_roles
 
 MESH = ("mesh=2x4", "mesh_names=[dp,tp]")
-FREE = (*MESH, "constraints.param_memory=null")  # every recipe plan is a plan of this
+FREE = (*MESH, "constraints.param_memory=null")  # recipes with the default inputs S(0)R
+# ddp, fsdp, hsdp put the batch on both mesh dims (inputs S(0)S(0)): their plans are plans
+# of the free problem with those inputs
+FREE_DATA = (*FREE, "constraints.inputs=S(0)S(0)")
 RECIPE_RUNS = tuple((*MESH, f"recipe={r}") for r in ("ddp", "fsdp", "hsdp", "fsdp_tp"))
 CP_RUN = ("mesh=2x2x2", "recipe=fsdp_tp_cp")  # dp, cp, tp
 
@@ -65,14 +68,15 @@ def test_dim_roles() -> None:
             recipe_dim_roles(recipe, names)
 
 
-@pytest.mark.toy_runs(*RECIPE_RUNS, CP_RUN, FREE)
+@pytest.mark.toy_runs(*RECIPE_RUNS, CP_RUN, FREE, FREE_DATA)
 @pytest.mark.parametrize("overrides", (*RECIPE_RUNS, CP_RUN),
                          ids=lambda o: o[-1].split("=")[1])
 def test_recipe_placements(toy_results: object, overrides: tuple[str, ...]) -> None:
     """solution.parquet holds the promised placements: every parameter and its gradient,
     the inputs, the residual stream (the 2 residual adds of each of the 2 layers); the
     objective is no less than the free planner's lower bound (the recipe's plan is a
-    plan of that problem: same topology strategies, same cost model, no budget)."""
+    plan of that problem: same topology strategies and inputs, same cost model, no
+    budget)."""
     recipe = overrides[-1].split("=")[1]
     run = toy_results.run(*overrides)  # type: ignore[attr-defined]
     params, inputs, residual = _promised(recipe)
@@ -96,7 +100,8 @@ def test_recipe_placements(toy_results: object, overrides: tuple[str, ...]) -> N
             assert row["op"] == "aten.add.Tensor" and row["output_placement"] == residual
     assert run.record["recipe"] == recipe
     if overrides[0] == "mesh=2x4":
-        free = toy_results.run(*FREE).record  # type: ignore[attr-defined]
+        free_run = FREE if inputs == "S(0)R" else FREE_DATA
+        free = toy_results.run(*free_run).record  # type: ignore[attr-defined]
         assert run.record["objective"] >= free["lower_bound"] - 1e-6
         assert run.record["objective"] >= free["objective"] - 1e-6  # certified optimum
         assert free["certified"]

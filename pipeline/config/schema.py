@@ -142,9 +142,15 @@ class CostsConfig:
             fused kernel: one launch floor, no re-read of the intermediates (a
             pairwise term of the MRF, pipeline/costmodel/fusion.py). ``False``: every
             kernel alone.
+        flatten_mesh: a redistribution that changes several mesh dims the same way
+            (and a run of one collective over several mesh dims) is one collective over
+            their flattened group, as FSDP2 and torchtitan run them on a flattened
+            DeviceMesh (pipeline/costmodel/redistribute/flatten.py). ``False``: one
+            collective per mesh dim, as DTensor's ``redistribute`` on the full mesh.
     """
 
     fuse_pointwise: bool = True
+    flatten_mesh: bool = True
 
 
 @dataclass

@@ -86,6 +86,7 @@ __all__ = [
     "all_to_all_us",
     "alpha_beta_us",
     "collective_us",
+    "flat_group_params",
     "group_collective_params",
     "group_collective_us",
     "mesh_collective_params",
@@ -441,6 +442,25 @@ def mesh_collective_params(
             layout = mesh_dim_layout(mesh_shape, m, links.gpus_per_node)
             lat[m, k], bw[m, k] = group_collective_params(COLLECTIVES[k], layout, links)
     return MeshCollectiveParams(np.asarray(mesh_shape, dtype=np.int64), lat, bw)
+
+
+def flat_group_params(mesh_shape: Sequence[int], hw: Any,
+                      groups: Sequence[Sequence[int]]) -> MeshCollectiveParams:
+    """:class:`MeshCollectiveParams` whose rows are ``groups`` (each a set of mesh dims
+    taken together, a flattened sub-mesh) instead of the mesh dims: row ``i`` holds the
+    size of group ``i`` and the parameters of every collective over it
+    (:func:`mesh_group_layout`, :func:`group_collective_params`)."""
+    links = _Links.of(hw)
+    rows = max(1, len(groups))
+    lat = np.zeros((rows, len(COLLECTIVES)))
+    bw = np.ones_like(lat)
+    size = np.ones(rows, dtype=np.int64)
+    for i, dims in enumerate(groups):
+        layout = mesh_group_layout(mesh_shape, tuple(dims), links.gpus_per_node)
+        size[i] = layout.size
+        for k, kind in enumerate(COLLECTIVES):
+            lat[i, k], bw[i, k] = group_collective_params(kind, layout, links)
+    return MeshCollectiveParams(size, lat, bw)
 
 
 def mesh_collectives_us(kinds: np.ndarray, nbytes: np.ndarray, mesh_dims: np.ndarray,

@@ -36,7 +36,15 @@ things for the tensors it manages, the parameters and their gradients:
    weight edge recomputed by activation checkpointing is still paid twice, not three
    times (the recomputation reads the re-gathered copy).
 
-3. **Reduce dtype** (``MixedPrecisionPolicy(reduce_dtype=float32)``): FSDP2 casts the
+3. **Flattened groups** (``costs.flatten_mesh``, default true): ``fully_shard`` takes a
+   1-D mesh, so a parameter sharded (or, HSDP/DDP, replicated) over several mesh dims
+   runs on their flattened sub-mesh: its all-gather over dims ``(dp, tp)`` of an
+   ``8 x 8`` mesh is one 64-rank collective on every rail of a node, as on a flat
+   64-rank mesh. :mod:`pipeline.costmodel.redistribute.flatten` prices every edge that
+   way (``EdgePolicy.flatten``), the tensors FSDP2 manages and the activations a
+   torchtitan-style step places over a flattened mesh alike.
+
+4. **Reduce dtype** (``MixedPrecisionPolicy(reduce_dtype=float32)``): FSDP2 casts the
    unsharded gradient to ``reduce_dtype`` *before* its reduce-scatter. A gradient edge
    whose tensor is narrower than ``model.reduce_dtype`` (the bf16 gradient before the
    traced cast to fp32) pays its reduce-scatters and all-reduces at the reduce dtype's
@@ -65,11 +73,14 @@ class CollectiveOptions:
         reshard_after_forward: ``fsdp.reshard_after_forward`` (re-gather for backward).
         bucket: ``fsdp.bucket_collectives`` (one latency per unit, kind and mesh dim).
         reduce_dtype: ``model.reduce_dtype`` (gradients reduced in it), or None.
+        flatten: ``costs.flatten_mesh`` (a collective over several mesh dims runs on
+            their flattened group).
     """
 
     reshard_after_forward: bool = True
     bucket: bool = True
     reduce_dtype: str | None = "float32"
+    flatten: bool = True
 
 
 @dataclass
@@ -83,6 +94,8 @@ class EdgePolicy:
         latency_scale: float64 ``[E]``, factor on its collectives' latency.
         unit: per edge, the FSDP unit of a weight or gradient edge (None otherwise).
         kind: per edge, ``"weight"``, ``"gradient"`` or None.
+        flatten: bool ``[E]``, a collective over several mesh dims runs on their
+            flattened group (:mod:`pipeline.costmodel.redistribute.flatten`).
     """
 
     regather: np.ndarray
@@ -90,10 +103,12 @@ class EdgePolicy:
     latency_scale: np.ndarray
     unit: list[str | None]
     kind: list[str | None]
+    flatten: np.ndarray
 
-    def of(self, e: int) -> tuple[int, float]:
-        """``(reduce_itemsize, latency_scale)`` of edge ``e``."""
-        return int(self.reduce_itemsize[e]), float(self.latency_scale[e])
+    def of(self, e: int) -> tuple[int, float, bool]:
+        """``(reduce_itemsize, latency_scale, flatten)`` of edge ``e``."""
+        return (int(self.reduce_itemsize[e]), float(self.latency_scale[e]),
+                bool(self.flatten[e]))
 
 
 def collective_options_of_config(cfg: Any) -> CollectiveOptions:
@@ -111,6 +126,8 @@ def collective_options_of_config(cfg: Any) -> CollectiveOptions:
     return CollectiveOptions(
         reshard_after_forward=bool(get(fsdp, "reshard_after_forward", True)),
         bucket=bool(get(fsdp, "bucket_collectives", True)),
+        flatten=bool(get(cfg.get("costs", None) if hasattr(cfg, "get") else None,
+                         "flatten_mesh", True)),
         reduce_dtype=get(model, "reduce_dtype", None))
 
 
@@ -231,5 +248,6 @@ def edge_policy(topology: Any, graph: Any, options: CollectiveOptions,
                     reduce[e] = want
     regather = graph.regather_edges() if options.reshard_after_forward \
         else np.zeros(num_edges, dtype=bool)
-    return EdgePolicy(np.asarray(regather, dtype=bool), reduce, scale, unit_of, kind)
+    flatten = np.full(num_edges, bool(options.flatten))
+    return EdgePolicy(np.asarray(regather, dtype=bool), reduce, scale, unit_of, kind, flatten)
 

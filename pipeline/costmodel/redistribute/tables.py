@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from torch.distributed.tensor.placement_types import Placement
 
+from pipeline.costmodel.redistribute.flatten import FlatGroups, flat_parts, run_row, uniform_row
 from pipeline.costmodel.redistribute.graph import DTENSOR_PLAN_ERRORS, graph_state
 from pipeline.costmodel.redistribute.interner import DEFAULT_INTERNER, PlacementInterner
 from pipeline.costmodel.redistribute.planner import plan_normalized
@@ -94,6 +95,16 @@ class TableContext:
         self._step_arrays: StepRows | None = None
         self._record_array: np.ndarray | None = None  # rows of records[:_records_done]
         self._records_done = 0
+        # flattened collectives (pipeline/costmodel/redistribute/flatten.py): flattened
+        # step rows (mesh_dim = index into groups.dims); per record its parts, a step id
+        # (>= 0) or ~id of a flattened row; per pair the flattened row of a uniform
+        # redistribution (-1: none, -2: not yet known)
+        self.groups = FlatGroups(mesh_shape)
+        self.flat_rows: list[StepRow] = []
+        self.flat_row_ids: dict[StepRow, int] = {}
+        self.flat_records: list[tuple[int, ...]] = []
+        self._flat_array: np.ndarray | None = None
+        self.uniform = np.zeros((0, 0), dtype=np.int32)
         # (shape, itemsize, hardware) -> (n steps, step costs, record costs)
         self.cost_cache: dict[tuple, tuple[int, np.ndarray, np.ndarray]] = {}
         self.record_id(())  # record 0: equal placements / only free steps
@@ -165,6 +176,9 @@ class TableContext:
         self.undecodable = grow(self.undecodable, False)
         self.graph_error = grow(self.graph_error, False)
         self.pair = grow2(self.pair)
+        uni = np.full((cap, cap), -2, dtype=np.int32)
+        uni[:old, :old] = self.uniform
+        self.uniform = uni
         self.shape_pair = {k: grow2(v) for k, v in self.shape_pair.items()}
         self.cap = cap
 
@@ -374,17 +388,75 @@ class TableContext:
         self._records_done = n
         return arr[:n]
 
+    def flat_row_id(self, dims: tuple[int, ...], row: StepRow) -> int:
+        """Id of the flattened step ``row`` over mesh dims ``dims``."""
+        row = self.groups.number(dims, row)
+        i = self.flat_row_ids.get(row)
+        if i is None:
+            i = self.flat_row_ids[row] = len(self.flat_rows)
+            self.flat_rows.append(row)
+        return i
 
+    def flat_array(self) -> np.ndarray:
+        """[n_records, width] parts of every record with its runs of one collective over
+        several mesh dims flattened (:func:`.flatten.flat_parts`): a step id, or ``~i``
+        for flattened row ``i``; padded with the null step."""
+        n = len(self.records)
+        for k in range(len(self.flat_records), n):
+            rec = self.records[k]
+            if rec == (_ILLEGAL_STEP,) or len(rec) < 2:
+                self.flat_records.append(rec)
+                continue
+            rows = [self.step_rows[i] for i in rec]
+            refs = [rec[p[0]] if len(p) == 1 else
+                    ~self.flat_row_id(*run_row(rows, p, self.mesh_shape))
+                    for p in flat_parts(rows)]
+            self.flat_records.append(tuple(refs))
+        arr = self._flat_array
+        if arr is None or len(arr) != n:
+            width = max(1, max((len(r) for r in self.flat_records), default=1))
+            arr = np.full((n, width), _NULL_STEP, dtype=np.int64)
+            for k, r in enumerate(self.flat_records):
+                arr[k, : len(r)] = r
+            self._flat_array = arr
+        return arr
+
+    def uniform_matrix(self, si: np.ndarray, di: np.ndarray) -> np.ndarray:
+        """[len(si), len(di)]: the flattened row of each pair that is uniform over two or
+        more mesh dims (:func:`.flatten.uniform_row`), else -1."""
+        ix = np.ix_(si, di)
+        sub = self.uniform[ix]
+        if (sub == -2).any():
+            a, b = np.nonzero(sub == -2)
+            i, j = si[a], di[b]
+            ps, pd = self.pids[i], self.pids[j]
+            changed = (ps != pd) & (np.asarray(self.mesh_shape) > 1)[None, :]
+            first = np.argmax(changed, axis=1)
+            rows = np.arange(len(i))
+            same = (ps == ps[rows, first][:, None]) & (pd == pd[rows, first][:, None])
+            ok = (changed.sum(axis=1) >= 2) & (~changed | same).all(axis=1)
+            out = np.full(len(i), -1, dtype=np.int32)
+            for k in np.flatnonzero(ok).tolist():
+                found = uniform_row(self.norms[i[k]], self.norms[j[k]], self.mesh_shape,
+                                    self.ndim)
+                if found is not None:
+                    out[k] = self.flat_row_id(*found)
+            self.uniform[i, j] = out
+            sub = self.uniform[ix]
+        return sub
 
 
 def _step_costs(ctx: TableContext, shape: tuple[int, ...], itemsize: int,
-                params: CostParams, reduce_itemsize: int = 0) -> np.ndarray:
-    """Cost (µs) of every step of ``ctx`` for a tensor of ``shape``
-    (:func:`.steps.step_costs`; the null step costs 0, the illegal one ``inf``)."""
-    cost = step_costs(ctx.step_arrays(), shape, itemsize, params, reduce_itemsize)[0]
+                params: CostParams, reduce_itemsize: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Cost (µs) and collective bytes ``S`` of every step of ``ctx`` for a tensor of
+    ``shape`` (:func:`.steps.step_costs`; the null step costs 0, the illegal one
+    ``inf``)."""
+    cost, s_bytes = step_costs(ctx.step_arrays(), shape, itemsize, params, reduce_itemsize)
     cost[_NULL_STEP] = 0.0
     cost[_ILLEGAL_STEP] = np.inf
-    return cost
+    s_bytes[_NULL_STEP] = 0
+    s_bytes[_ILLEGAL_STEP] = 0
+    return cost, s_bytes
 
 
 def redistribute_table(
@@ -398,6 +470,7 @@ def redistribute_table(
     interner: PlacementInterner | None = None,
     reduce_itemsize: int = 0,
     latency_scale: float = 1.0,
+    flatten: bool = False,
 ) -> np.ndarray:
     """All-pairs :func:`~.cost.redistribute_us`: ``out[i, j]`` = cost of
     ``srcs[i] -> dsts[j]``.
@@ -413,7 +486,7 @@ def redistribute_table(
         srcs: source placements (rows), each one per mesh dim.
         dsts: destination placements (columns).
         interner: the caches to use (default :data:`~.interner.DEFAULT_INTERNER`).
-        reduce_itemsize, latency_scale: the collective policy of the tensor
+        reduce_itemsize, latency_scale, flatten: the collective policy of the tensor
             (:func:`~.cost.redistribute_us`).
 
     Returns:
@@ -434,6 +507,11 @@ def redistribute_table(
     si = ctx.intern(srcs, "src")
     di = ctx.intern(dsts, "dst")
     rec = ctx.record_matrix(si, di, shape)
+    if flatten:
+        uniform = ctx.uniform_matrix(si, di)
+        rec_cost, flat_cost = _flat_costs(ctx, shape, int(itemsize), hw, int(reduce_itemsize),
+                                          float(latency_scale))
+        return np.where(uniform >= 0, flat_cost[np.maximum(uniform, 0)], rec_cost[rec])
     return _record_costs(ctx, shape, int(itemsize), hw, int(reduce_itemsize),
                          float(latency_scale))[rec]
 
@@ -454,7 +532,7 @@ def _record_costs(ctx: TableContext, shape: tuple[int, ...], itemsize: int, hw: 
     if hit is not None and hit[0] == n_steps:
         step_cost, old = hit[1], hit[2]
     else:
-        step_cost = _step_costs(ctx, shape, itemsize, params, reduce_itemsize)
+        step_cost = _step_costs(ctx, shape, itemsize, params, reduce_itemsize)[0]
         old = np.zeros(0) if hit is None else hit[2]
     new = records[len(old) :]
     cost = step_cost[new[:, 0]]
@@ -465,6 +543,39 @@ def _record_costs(ctx: TableContext, shape: tuple[int, ...], itemsize: int, hw: 
         ctx.cost_cache.clear()
     ctx.cost_cache[key] = (n_steps, step_cost, cost)
     return cost
+
+
+def _flat_costs(ctx: TableContext, shape: tuple[int, ...], itemsize: int, hw: Any,
+                reduce_itemsize: int = 0,
+                latency_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(record costs, flattened-row costs)`` (µs) with ``flatten``: each record with its
+    runs of one collective over several mesh dims as one flattened collective, summed in
+    part order, and every flattened row of :attr:`TableContext.flat_rows` (a uniform
+    pair costs its row). Each entry equals :func:`~.cost.redistribute_us` with
+    ``flatten=True``. Cached per (shape, itemsize, hardware)."""
+    params = CostParams.of(ctx.mesh_shape, hw, latency_scale=latency_scale)
+    parts = ctx.flat_array()
+    n_steps, n_flat = len(ctx.step_rows), len(ctx.flat_rows)
+    flat_params = ctx.groups.cost_params(hw, params.hbm, latency_scale)
+    key = ("flat", shape, itemsize, reduce_itemsize, params.key(), flat_params.key())
+    hit = ctx.cost_cache.get(key)
+    if hit is not None and hit[0] == (n_steps, n_flat, len(parts)):
+        return hit[1], hit[2]
+    step_cost = _step_costs(ctx, shape, itemsize, params, reduce_itemsize)[0]
+    if n_flat:
+        flat_cost = step_costs(StepRows.of(ctx.flat_rows, ctx.ndim), shape, itemsize,
+                               flat_params, reduce_itemsize)[0]
+    else:
+        flat_cost = np.zeros(1)
+    part_cost = np.concatenate([step_cost, flat_cost])
+    ids = np.where(parts >= 0, parts, n_steps + ~parts)
+    cost = part_cost[ids[:, 0]]
+    for k in range(1, ids.shape[1]):
+        cost = cost + part_cost[ids[:, k]]
+    if len(ctx.cost_cache) >= COST_CACHE_SIZE:
+        ctx.cost_cache.clear()
+    ctx.cost_cache[key] = ((n_steps, n_flat, len(parts)), cost, flat_cost)
+    return cost, flat_cost
 
 
 def placements_differ(
