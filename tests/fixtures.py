@@ -347,10 +347,11 @@ def toy_configs_of(items: Sequence[pytest.Item]) -> list[tuple[int, tuple[str, .
 
 
 def traced_topology(tmp: Path, model: dict, mesh: tuple[int, ...],
-                    names: tuple[str, ...]) -> Any:
+                    names: tuple[str, ...], constraints: dict | None = None) -> Any:
     """Trace ``model`` (a model config dict) and build its topology on ``mesh`` named
-    ``names`` (forward/backward consistency on, repeated layers grouped), written to and
-    read back from ``tmp``: the topology tables the cost-model tests start from."""
+    ``names`` (forward/backward consistency on, repeated layers grouped, and any other
+    ``constraints`` entries), written to and read back from ``tmp``: the topology tables
+    the cost-model tests start from."""
     import math
 
     from pipeline.topology import (
@@ -364,6 +365,34 @@ def traced_topology(tmp: Path, model: dict, mesh: tuple[int, ...],
 
     table, _ = trace_model(model, math.prod(mesh))
     topo = build_topology(load_nodes(table), device_mesh(mesh, names), mesh, names,
-                          {"fwd_bwd_consistency": True}, True)
+                          {"fwd_bwd_consistency": True, **(constraints or {})}, True)
     write_topology(topo, tmp, {"stage": "topology"})
     return read_topology(tmp)
+
+
+def dtensor_planned(redistributions: list[dict], mesh_shape: tuple[int, ...],
+                    mesh_names: list[str]) -> Any:
+    """Counter of the collectives DTensor's own ``redistribute`` issues for the rows of a
+    run's ``redistributions.parquet``: a row's ``collectives`` as they are, except that a
+    collective over a flattened group (``all_gather(dp+tp)``, priced as FSDP2 runs it)
+    is replaced by the per-mesh-dim steps of DTensor's planner for that row's
+    placements (tests/dtensor_reference.py), which is what a plan executed with DTensor
+    runs."""
+    import collections
+
+    from dtensor_reference import DTensorReference
+
+    from pipeline.placements import parse_placements
+
+    reference = DTensorReference()
+    planned: collections.Counter = collections.Counter()
+    for row in redistributions:
+        if not any("+" in c for c in row["collectives"]):
+            planned.update(row["collectives"])
+            continue
+        src = parse_placements(row["src_placement"], len(mesh_shape))
+        dst = parse_placements(row["dst_placement"], len(mesh_shape))
+        steps = reference.plan(src, dst, tuple(mesh_shape), tuple(row["shape"]))
+        planned.update(f"{st.kind}({mesh_names[st.mesh_dim]})" for st in steps
+                       if st.is_collective and mesh_shape[st.mesh_dim] > 1)
+    return planned

@@ -72,7 +72,8 @@ def toy_experiment() -> paper.Experiment:
 
 #: A one-mesh experiment: eager and lazy toy runs on mesh 8 make every run set.
 SMALL = ["paper.runs.eager_vs_lazy=['mesh=8','lazy_costs=true,false']",
-         "paper.runs.solvers=['mesh=8']", "paper.runs.depth=['mesh=8']", "paper.table_mesh=null"]
+         "paper.runs.solvers=['mesh=8']", "paper.runs.depth=['mesh=8']",
+         "paper.runs.scale=['mesh=8']", "paper.table_mesh=null"]
 
 
 # --------------------------------------------------------------------------- experiments
@@ -91,15 +92,27 @@ def test_paper_toy_is_the_default_and_defines_the_run_sets(toy_experiment):
         (m, solver) for m in ((8,), (2, 4), (2, 4, 8)) for solver in ("approx", "ilp")}
     assert [r.cfg.model.n_layers for r in sets["depth"]] == [2, 4, 8]
     assert all(r.cfg.model.name == "toy" for r in exp.runs())
-    # runs shared between sets are one run: 6 + 3 ilp + 2 deeper models
-    assert len(exp.runs()) == 11
+    assert [(tuple(r.cfg.mesh), r.cfg.recipe) for r in sets["scale"]] == [
+        ((2, 4), recipe) for recipe in (None, "ddp", "fsdp", "hsdp", "fsdp_tp")]
+    # runs shared between sets are one run: 6 + 3 ilp + 2 deeper models + 4 recipes
+    assert len(exp.runs()) == 15
     assert exp.table_mesh == "2x4x8"
 
 
 def test_full_paper_experiment_composes():
     exp = paper.load_experiment(["experiment=paper"])
     assert exp.name == "paper" and exp.table_mesh == "2x4x8"
-    assert {r.cfg.model.name for r in exp.runs()} == {"llama1b"}
+    assert {r.cfg.model.name for r in exp.runs() if r not in exp.sets["scale"]} == {"llama1b"}
+    scale = {(r.cfg.model.name, "x".join(map(str, r.cfg.mesh)), r.cfg.model.batch_size,
+              r.cfg.recipe) for r in exp.sets["scale"]}
+    # local batch 2 x 8192 on every mesh: the planner and each recipe the mesh allows
+    assert {(m, mesh, b) for m, mesh, b, _ in scale} == {
+        ("llama8b", "8", 16), ("llama8b", "8x8", 128), ("llama8b", "16x8", 256),
+        ("llama70b", "32x8", 512)}
+    assert {r for m, mesh, _, r in scale if mesh == "8"} == {None, "ddp", "fsdp"}
+    assert {r for m, mesh, _, r in scale if mesh == "32x8"} == {
+        None, "ddp", "fsdp", "hsdp", "fsdp_tp"}
+    assert all(r.cfg.model.seq_len == 8192 for r in exp.sets["scale"])
     assert sorted(r.cfg.model.n_layers for r in exp.sets["depth"]) == [2, 4, 8, 16]
 
 
@@ -113,7 +126,7 @@ def test_user_overrides_apply_to_every_run(tmp_path):
 
 def test_an_experiment_without_run_sets_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^experiment=null: paper.runs lacks the run "
-                       r"set\(s\) eager_vs_lazy, solvers, depth;"):
+                       r"set\(s\) eager_vs_lazy, solvers, depth, scale;"):
         paper.load_experiment(["experiment=null"])
     with pytest.raises(ConfigError, match=r"^paper.table_mesh=4: allowed a mesh of run set "
                        r"eager_vs_lazy \(8\)$"):
@@ -233,7 +246,7 @@ def test_build_paper_from_a_synthetic_table(toy_experiment, tmp_path, monkeypatc
     side = json.loads((exp.out_dir / "eager_vs_lazy.provenance.json").read_text())
     assert side["run_ids"] == meta["run_ids"]
     summary = json.loads((exp.out_dir / "provenance.json").read_text())
-    assert len(summary["run_ids"]) == 11 and summary["table_mesh"] == "2x4x8"
+    assert len(summary["run_ids"]) == 15 and summary["table_mesh"] == "2x4x8"
     assert set(summary["run_sets"]) == set(paper.RUN_SETS)
 
 
@@ -266,15 +279,15 @@ def outputs_of(out: str) -> set[str]:
 def test_snakemake_paper_plans_every_run_once(tmp_path):
     code, out, err = snakemake(tmp_path, "-n", "paper")
     assert code == 0, err
-    # 3 traces (2, 4, 8 layers), 5 topologies, 8 cost dirs (5 lazy, 3 eager), 11 runs,
-    # 1 paper: the stage rules of the --config run make the experiment's runs too
-    # (wildcard paths)
-    assert jobs_of(out) == {"trace": 3, "topology": 5, "costs_lazy": 5, "costs_eager": 3,
-                            "solve": 11, "paper": 1}
+    # 3 traces (2, 4, 8 layers), 9 topologies (4 of them recipes), 12 cost dirs (9 lazy,
+    # 3 eager), 15 runs, 1 paper: the stage rules of the --config run make the
+    # experiment's runs too (wildcard paths)
+    assert jobs_of(out) == {"trace": 3, "topology": 9, "costs_lazy": 9, "costs_eager": 3,
+                            "solve": 15, "paper": 1}
     assert "results/paper/paper_toy/eager_vs_lazy.md" in out
     exp = paper.load_experiment([])
     solves = {str(stage_dirs(r.cfg).solve / "run.json") for r in exp.runs()}
-    assert solves <= outputs_of(out) and len(solves) == 11
+    assert solves <= outputs_of(out) and len(solves) == 15
     assert not (tmp_path / "results").exists()
 
 
@@ -283,8 +296,8 @@ def test_snakemake_paper_makes_the_config_run_once(tmp_path):
     without --config."""
     code, out, err = snakemake(tmp_path, "-n", "paper", "--config", "model=toy", "mesh=8")
     assert code == 0, err
-    assert jobs_of(out) == {"trace": 3, "topology": 5, "costs_lazy": 5, "costs_eager": 3,
-                            "solve": 11, "paper": 1}
+    assert jobs_of(out) == {"trace": 3, "topology": 9, "costs_lazy": 9, "costs_eager": 3,
+                            "solve": 15, "paper": 1}
     config_run = stage_dirs(load_resolved(["model=toy", "mesh=8"])).solve / "run.json"
     assert str(config_run) in outputs_of(out)
     code, plain, err = snakemake(tmp_path, "-n", "paper")

@@ -347,7 +347,9 @@ def evaluate_plan(plan: list[dict], tt: Any, mesh: tuple[int, ...], hw: Any,
     Compute: roofline on the local shapes (inputs read + outputs written), 0 for
     placeholders, getitem, sinks and views. Edges: redistribution of the producer's
     output (its element for a tuple output; ``-`` is Replicate) into the consumer's
-    expected placement of that argument, plus 1.0 when the two differ. Op comm: a
+    expected placement of that argument (a redistribution changing several mesh dims
+    the same way as one collective over their flattened group, ``costs.flatten_mesh``),
+    plus 1.0 when the two differ. Op comm: a
     ``_log_softmax`` whose softmax dim is sharded all-reduces the row max and the row
     sum of exponentials (its backward the row sum of the gradient) over each mesh dim
     sharding it, one value per local row. Fusion (``fuse``): an edge between two
@@ -416,7 +418,7 @@ def evaluate_plan(plan: list[dict], tt: Any, mesh: tuple[int, ...], hw: Any,
         comm.append(times[k] * float(redistribute_us(
             meta["shape"], _itemsize(meta["dtype"]), parse_placements(src, nd),
             parse_placements(dst, nd), mesh, hw, reduce_itemsize=reduce_size[k],
-            latency_scale=share[k])))
+            latency_scale=share[k], flatten=True)))
         trans.append(1.0 if src != dst else 0.0)
         texts.append((src, dst))
     fusion = [0.0] * len(comm)

@@ -393,8 +393,8 @@ CBC_SCRIPT = textwrap.dedent("""
     from pipeline.solvers.ilp import solve_ilp
 
     rng = np.random.default_rng(7)
-    n = 400
-    mrf = random_mrf(rng, n, random_edges(rng, n, 3 * n), kmin=6, kmax=8)
+    n = 1200  # CBC runs for a minute: the signal always comes during the solve
+    mrf = random_mrf(rng, n, random_edges(rng, n, 3 * n), kmin=8, kmax=10)
     print("solving", flush=True)
     solve_ilp(mrf, backend="cbc")
     print("done", flush=True)

@@ -31,10 +31,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from dtensor_reference import DTensorReference
+from fixtures import dtensor_planned
 
 from pipeline.config import load_resolved, stage_dirs
-from pipeline.placements import parse_placements
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,21 +97,9 @@ def test_plan_runs_as_planned(results: Path, mesh: str, budget: str) -> None:
     # once).
     redist = pq.read_table(Path(dirs.solve) / "redistributions.parquet")
     steps_of = redist.column("collectives").to_pylist()
-    # a collective over a flattened group (all_gather(dp+tp), costed as FSDP2 runs it)
-    # runs here as DTensor's own planner splits it, one collective per mesh dim
-    mesh_names = list(cfg.mesh_names)
-    mesh_shape = tuple(int(x) for x in mesh.split("x"))
-    reference = DTensorReference()
-    planned: collections.Counter = collections.Counter()
-    for row in redist.to_pylist():
-        if not any("+" in c for c in row["collectives"]):
-            planned.update(row["collectives"])
-            continue
-        src = parse_placements(row["src_placement"], len(mesh_shape))
-        dst = parse_placements(row["dst_placement"], len(mesh_shape))
-        dtensor = reference.plan(src, dst, mesh_shape, tuple(row["shape"]))
-        planned.update(f"{st.kind}({mesh_names[st.mesh_dim]})" for st in dtensor
-                       if st.is_collective and mesh_shape[st.mesh_dim] > 1)
+    # a collective over a flattened group (all_gather(dp+tp)) runs as DTensor's steps
+    planned = dtensor_planned(redist.to_pylist(), tuple(int(x) for x in mesh.split("x")),
+                              list(cfg.mesh_names))
     paid: collections.Counter = collections.Counter()
     for steps, times in zip(steps_of, redist.column("times").to_pylist(), strict=True):
         for c in steps:

@@ -35,6 +35,9 @@ paper:
     depth:
       - mesh=2x4
       - solver=approx
+    scale:
+      - mesh=2x4
+      - solver=approx
 """
 
 

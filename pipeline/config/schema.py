@@ -161,11 +161,12 @@ class PaperConfig:
     Attributes:
         runs: named run sets; each is a list of Hydra overrides in the multirun grammar
             (``mesh=8,2x4``, ``lazy_costs=true,false``) applied on top of the experiment's
-            config, and every combination of their values is one run.
+            config, and every combination of their values is one run; or a list of such
+            lists, the union of their runs.
         table_mesh: mesh of the eager-vs-lazy table (``None``: the largest mesh of its set).
     """
 
-    runs: dict[str, list[str]] = field(default_factory=dict)
+    runs: dict[str, list[Any]] = field(default_factory=dict)
     table_mesh: str | None = None
 
 

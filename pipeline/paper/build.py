@@ -23,6 +23,7 @@ from pipeline.paper.figures import (
     plot_peak_rss,
     plot_phases,
     plot_plans,
+    plot_scale,
     plot_solvers,
 )
 from pipeline.paper.provenance import (
@@ -39,6 +40,8 @@ from pipeline.paper.tables import (
     plans_table,
     read_runs,
     row_config,
+    scale_markdown,
+    scale_table,
     select_runs,
     table_markdown,
 )
@@ -98,6 +101,7 @@ def build_paper(runs: Any, exp: Experiment, runs_path: Path | None = None) -> li
         plot(rows, path, prov)
         written.append(path)
 
+    written += _write_scale(sel["scale"], exp, source, provs)
     every = select_runs(runs, [r.key for r in exp.runs()], "experiment")
     written += _write_plans(every, exp, source, provs)
     summary = provenance(every, "paper", exp.name, source)
@@ -108,6 +112,37 @@ def build_paper(runs: Any, exp: Experiment, runs_path: Path | None = None) -> li
     written.append(out / PROVENANCE_FILE)
     log.info("paper: %d artifacts from %d runs -> %s", len(ARTIFACTS), len(every), out)
     return written
+
+
+def _write_scale(rows: Any, exp: Experiment, source: dict[str, Any],
+                 provs: dict[str, dict[str, Any]]) -> list[Path]:
+    """The scale table and figure of run set ``scale``: per model and mesh, the
+    planner's plan and each recipe: overlapped step time, tokens/s per GPU, peak memory
+    per GPU (pipeline/paper/tables.py ``scale_table``)."""
+    import pyarrow as pa
+
+    from pipeline import runtime
+
+    prov = provenance(rows, "scale", exp.name, source)
+    provs["scale"] = prov
+    table = scale_table(rows)
+    md_path, pq_path = (exp.out_dir / f for f in ARTIFACTS["scale"])
+    runtime.write_parquet(pq_path, pa.Table.from_pandas(table, preserve_index=False),
+                          metadata=prov)
+    footer = ("<sub>Step time: one compute stream and one communication stream per mesh "
+              "dim (pipeline/steptime.py). Peak memory: the memory model's peak per GPU "
+              "(pipeline/memory/); fits: at most the hardware's device memory. "
+              + describe_runs(rows).replace("\n", "; ")
+              + f"; provenance: {sidecar_path(md_path).name}</sub>")
+    with runtime.atomic_path(md_path) as tmp:
+        tmp.write_text(scale_markdown(table, "Scale: the planner's plan and the recipes",
+                                      footer))
+    write_sidecar(md_path, prov)
+    fig_prov = provenance(rows, "fig_scale", exp.name, source)
+    provs["fig_scale"] = fig_prov
+    fig_path = exp.out_dir / ARTIFACTS["fig_scale"][0]
+    plot_scale(rows, fig_path, fig_prov)
+    return [md_path, pq_path, fig_path]
 
 
 def _write_plans(every: Any, exp: Experiment, source: dict[str, Any],

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,7 +33,7 @@ log = logging.getLogger("pipeline.paper")
 DEFAULT_EXPERIMENT = "paper_toy"
 
 #: Run sets an experiment must define in ``paper.runs``.
-RUN_SETS: tuple[str, ...] = ("eager_vs_lazy", "solvers", "depth")
+RUN_SETS: tuple[str, ...] = ("eager_vs_lazy", "solvers", "depth", "scale")
 
 #: Artifact name -> the files it consists of (in ``<results_dir>/paper/<experiment>/``).
 ARTIFACTS: dict[str, tuple[str, ...]] = {
@@ -43,6 +44,8 @@ ARTIFACTS: dict[str, tuple[str, ...]] = {
     "fig_solvers": ("fig_solvers.png",),
     "plans": ("plans.md", "plans.parquet"),
     "fig_plans": ("fig_plans.png",),
+    "scale": ("scale.md", "scale.parquet"),
+    "fig_scale": ("fig_scale.png",),
 }
 SIDECAR_SUFFIX = ".provenance.json"
 PROVENANCE_FILE = "provenance.json"
@@ -152,6 +155,21 @@ def output_files(results_dir: str | Path, experiment: str) -> list[str]:
     return files
 
 
+def _grids(entry: Any, set_name: str) -> list[list[str]]:
+    """The sweeps of one run set: a list of overrides is one sweep (every combination of
+    its values); a list of such lists is the union of their sweeps (e.g. one per mesh,
+    each with its own batch size)."""
+    items = list(entry) if entry is not None else []
+    nested = [OmegaConf.is_list(i) or isinstance(i, (list, tuple)) for i in items]
+    grids = [[str(o) for o in i] for i in items] if items and all(nested) else [
+        [str(o) for o in items]]
+    if not items or any(nested) and not all(nested) or not all(grids):
+        raise ConfigError(f"paper.runs.{set_name}={list(items) if items else '[]'}: allowed a "
+                          "non-empty list of overrides, e.g. [mesh=8,2x4, "
+                          "lazy_costs=true,false], or a list of such lists")
+    return grids
+
+
 def load_experiment(overrides: Sequence[str] = ()) -> Experiment:
     """Compose an experiment and every run of its run sets.
 
@@ -175,12 +193,9 @@ def load_experiment(overrides: Sequence[str] = ()) -> Experiment:
     cache: dict[tuple[str, ...], PaperRun] = {}
     sets: dict[str, list[PaperRun]] = {}
     for set_name in RUN_SETS:
-        grid = [str(o) for o in runs[set_name]]
-        if not grid:
-            raise ConfigError(f"paper.runs.{set_name}=[]: allowed a non-empty list of "
-                              "overrides, e.g. [mesh=8,2x4, lazy_costs=true,false]")
+        grids = _grids(runs[set_name], set_name)
         sets[set_name] = []
-        for job in sweep_overrides(grid):
+        for job in (j for grid in grids for j in sweep_overrides(grid)):
             full = (*base, *job)
             if full not in cache:
                 cache[full] = PaperRun(overrides=full, cfg=_resolved(full))

@@ -236,3 +236,31 @@ def plot_plans(runs: Any, path: Path, prov: dict[str, Any]) -> None:
     ax.set_title("Plans: additive objective and overlapped step time")
     ax.legend(fontsize=8)
     _save(fig, path, runs, prov)
+
+
+def plot_scale(runs: Any, path: Path, prov: dict[str, Any]) -> None:
+    """The scale run set (pipeline/paper/tables.py ``scale_table``): per model and mesh,
+    the planner's plan beside each recipe: overlap-aware step time, tokens/s per GPU,
+    and peak memory per GPU against the device memory (dashed)."""
+    from pipeline.paper.tables import scale_table
+
+    table = scale_table(runs)
+    fig, axes = _figure(ncols=3, width=max(12.0, 1.1 * len(table) + 4))
+    xs = list(range(len(table)))
+    labels = [f"{r['model']} {r['mesh']}\n{r['plan']}" for r in table.to_dict("records")]
+    colors = ["#4C72B0" if p == "planner" else "#C9D3E6" for p in table["plan"]]
+    panels = ((table["step_time_us"] / 1000.0, "step time (ms)", "Step time (overlapped)"),
+              (table["tokens_per_s_per_device"], "tokens/s per GPU", "Throughput"),
+              (table["peak_gib"], "GiB per GPU", "Peak memory"))
+    for ax, (values, ylabel, title) in zip(axes, panels, strict=True):
+        ax.bar(xs, values, color=colors)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=6, rotation=90)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+    device = table["device_gib"].dropna()
+    if len(device):
+        axes[2].axhline(float(device.iloc[0]), color="#C44E52", linestyle="--", linewidth=1,
+                        label=f"device memory {float(device.iloc[0]):.0f} GiB")
+        axes[2].legend(fontsize=7)
+    _save(fig, path, runs, prov)

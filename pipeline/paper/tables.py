@@ -274,3 +274,75 @@ def plans_markdown(table: Any, title: str, footer: str) -> str:
         lines.append(f"| {r['model']} | {r['mesh']} | {r['plan']} | " + " | ".join(cells) + " |")
     lines += ["", footer, ""]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- scale
+
+#: Columns of the scale table: (column, Markdown header, unit).
+SCALE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("devices", "GPUs", ""),
+    ("step_time_us", "Step time (overlapped)", "ms"),
+    ("tokens_per_s_per_device", "Tokens/s/GPU", ""),
+    ("peak_gib", "Peak memory/GPU", "GiB"),
+    ("device_gib", "Device memory", "GiB"),
+    ("fits", "Fits", ""),
+    ("objective", "Objective (additive)", "ms"),
+)
+
+
+def scale_table(runs: Any) -> Any:
+    """The scale run set as one line per run: model, mesh and GPUs, the plan
+    (``planner`` or the recipe), the overlap-aware step time, tokens/s per GPU, the
+    memory model's peak bytes per device against the hardware's device memory
+    (``memory.peak_bytes``, ``hardware.device_memory_bytes``) and the additive
+    objective; sorted by model, GPU count, planner first."""
+    import pandas as pd
+
+    out = []
+    for _, row in runs.iterrows():
+        cfg = row_config(row)
+        mesh = str(row.get("mesh"))
+        peak = row_float(row, "memory.peak_bytes")
+        device = float((cfg.get("hardware") or {}).get("device_memory_bytes") or "nan")
+        out.append({
+            "run_id": str(row.get("run_id")), "model": row.get("model"), "mesh": mesh,
+            "devices": math.prod(int(d) for d in mesh.split("x")), "plan": _plan_name(row),
+            "step_time_us": row_float(row, "step_time_us"),
+            "tokens_per_s_per_device": row_float(row, "tokens_per_s_per_device"),
+            "peak_gib": peak / 2**30, "device_gib": device / 2**30,
+            "fits": bool(peak <= device) if math.isfinite(peak) and math.isfinite(device)
+            else None,
+            "objective": row_float(row, "objective")})
+    cols = ["run_id", "model", "mesh", "plan", *[c for c, _, _ in SCALE_COLUMNS]]
+    table = pd.DataFrame(out, columns=cols)
+    if len(table):
+        order = sorted(range(len(table)), key=lambda i: (
+            str(table.iloc[i]["model"]), mesh_order(table.iloc[i]["mesh"]),
+            table.iloc[i]["plan"] != "planner", str(table.iloc[i]["plan"])))
+        table = table.iloc[order].reset_index(drop=True)
+    return table
+
+
+def _scale_cell(value: Any, unit: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if unit == "ms":
+        return f"{value / 1000:,.1f}"
+    if unit == "GiB":
+        return f"{value:,.1f}"
+    return f"{value:,.0f}"
+
+
+def scale_markdown(table: Any, title: str, footer: str) -> str:
+    """The scale table as GitHub Markdown (model, mesh, plan, then
+    :data:`SCALE_COLUMNS`)."""
+    head = ["Model", "Mesh", "Plan"] + [f"{h} ({u})" if u else h for _, h, u in SCALE_COLUMNS]
+    lines = [f"**{title}**", "", "| " + " | ".join(head) + " |",
+             "| --- | --- | --- |" + " ---: |" * len(SCALE_COLUMNS)]
+    for r in table.to_dict("records"):
+        cells = [_scale_cell(r[c], u) for c, _, u in SCALE_COLUMNS]
+        lines.append(f"| {r['model']} | {r['mesh']} | {r['plan']} | " + " | ".join(cells) + " |")
+    lines += ["", footer, ""]
+    return "\n".join(lines)

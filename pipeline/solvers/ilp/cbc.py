@@ -32,7 +32,13 @@ from pipeline.solvers.ilp.highs import highs_lp, new_highs, write_mps_highs
 from pipeline.solvers.ilp.interrupts import die_with_parent
 from pipeline.solvers.ilp.model import BackendOutcome, IlpModel
 from pipeline.solvers.result import relative_gap
-from pipeline.solvers.status import FEASIBLE_TIME_LIMIT, NOT_SOLVED, OPTIMAL, map_pulp_status
+from pipeline.solvers.status import (
+    FEASIBLE_TIME_LIMIT,
+    INFEASIBLE,
+    NOT_SOLVED,
+    OPTIMAL,
+    map_pulp_status,
+)
 
 __all__ = ["CBC_HARD_LIMIT_FACTOR", "parse_cbc_log", "solve_cbc"]
 
@@ -159,6 +165,12 @@ def solve_cbc(model: IlpModel, *, relax: bool, time_limit_s: float | None, mip_g
             pulp_status, sol_status = solver.get_status(sol)
             status = map_pulp_status(pulp_status, sol_status)
             extra["pulp_status"] = (int(pulp_status), int(sol_status))
+            if status == INFEASIBLE and time_limit_s is not None and wall >= time_limit_s:
+                # an infeasibility verdict of a run cut by its time limit is not taken:
+                # CBC's preprocessing can call feasible models infeasible (coin-or/Cbc
+                # issues #466, #740), and a truncated run cannot have checked it
+                status = NOT_SOLVED
+                extra["cbc_infeasible_at_time_limit"] = True
             values = _read_cbc_solution(sol, model.num_cols)
     if relax and status == FEASIBLE_TIME_LIMIT:
         status = NOT_SOLVED
