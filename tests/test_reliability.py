@@ -446,6 +446,55 @@ def test_a_signal_during_a_cbc_solve_kills_cbc_and_removes_its_temp_dir(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+HIGHS_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    sys.path.insert(0, {tests!r})
+    from mrf_gen import random_edges, random_mrf
+    from pipeline.solvers.ilp import solve_ilp
+
+    rng = np.random.default_rng(7)
+    n = 1200  # HiGHS needs minutes on it: the signal comes during the solve
+    mrf = random_mrf(rng, n, random_edges(rng, n, 3 * n), kmin=8, kmax=10)
+    print("solving", flush=True)
+    t = time.time()
+    try:
+        solve_ilp(mrf, backend="highs", mps_path={mps!r})
+    finally:
+        print(f"left after {{time.time() - t:.1f}} s", flush=True)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_a_highs_solve_cancels_it_and_leaves_no_temp_file(tmp_path, sig):
+    """HiGHS runs in this process: the signal cancels its solve through its interrupt
+    callback within seconds (not at its time limit) and the process exits non-zero with
+    the model file written (atomically, before the solve) and no ``.model.*.mps`` temp."""
+    mps = tmp_path / "model.mps"
+    proc = subprocess.Popen([sys.executable, "-c",
+                             HIGHS_SCRIPT.format(tests=str(ROOT / "tests"), mps=str(mps))],
+                            env=child_env("1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 120
+        while not mps.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert mps.exists(), "the model was never written: " + (
+            proc.stderr.read() if proc.poll() is not None else "")
+        time.sleep(2.0)  # into the solve
+        assert proc.poll() is None, "the solve ended before the signal"
+        sent = time.time()
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+        took = time.time() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert took < 30
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.mps"]
+
+
 # --------------------------------------------------------------------------- lint
 
 

@@ -56,15 +56,16 @@ __all__ = [
 def solve_model(model: IlpModel, backend: str, *, relax: bool, time_limit_s: float | None,
                 mip_gap: float, threads: int, msg: bool,
                 mps_path: str | Path | None) -> BackendOutcome:
-    """Run ``backend`` (one of :data:`BACKENDS`) on a built model. With ``cbc``, SIGTERM /
-    SIGINT end the solve with the child process killed and its temp directory removed
-    (:func:`pipeline.solvers.ilp.interrupts.signals_raise`); HiGHS runs in this process,
-    so the signal's default action ends it at once (the temp file of an interrupted MPS
-    write is removed by the next run of the stage, pipeline/cli.py)."""
+    """Run ``backend`` (one of :data:`BACKENDS`) on a built model. SIGTERM / SIGINT end
+    the solve as an exception (:func:`pipeline.solvers.ilp.interrupts.signals_raise`):
+    with ``cbc`` the child process is killed and its temp directory removed; HiGHS runs
+    in its own thread and is cancelled (:func:`pipeline.solvers.ilp.highs.
+    run_interruptible`), and an MPS write in progress removes its temp file."""
     kw = dict(relax=relax, time_limit_s=time_limit_s, mip_gap=mip_gap, threads=threads,
               msg=msg, mps_path=mps_path)
     if backend == "highs":
-        return solve_highs(model, **kw)
+        with signals_raise():
+            return solve_highs(model, **kw)
     if backend == "cbc":
         with signals_raise():
             return solve_cbc(model, **kw)

@@ -18,13 +18,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from pipeline.solvers.ilp.model import BackendOutcome, IlpModel
 from pipeline.solvers.status import FEASIBLE_TIME_LIMIT, NOT_SOLVED, OPTIMAL, map_highs_status
 
-__all__ = ["highs_lp", "new_highs", "solve_highs", "write_mps", "write_mps_highs"]
+__all__ = ["highs_lp", "new_highs", "run_interruptible", "solve_highs", "write_mps",
+           "write_mps_highs"]
 
 
 def highs_lp(model: IlpModel, *, relax: bool, names: bool):
@@ -129,6 +131,26 @@ def write_mps(model: IlpModel, path: str | Path, *, relax: bool = False) -> floa
     return time.perf_counter() - t0
 
 
+def run_interruptible(h: Any) -> None:
+    """``h.run()`` in HiGHS's own solver thread (highspy ``startSolve``) while this
+    thread waits in short slices, so that a signal handled here (SIGINT's
+    ``KeyboardInterrupt``; SIGTERM under :func:`pipeline.solvers.ilp.interrupts.
+    signals_raise`) reaches Python at once: the solve is cancelled through HiGHS's
+    user-interrupt callback (``cancelSolve``), this thread waits for the solver to stop,
+    and the exception propagates (so every ``finally`` runs and no temp file stays). The
+    callback only polls a flag: the solve and its result are unchanged."""
+    h.HandleUserInterrupt = True
+    h.startSolve()
+    try:
+        while not h.wait(0.1)[0]:
+            pass
+    except BaseException:
+        h.cancelSolve()
+        while not h.wait(0.1)[0]:
+            pass
+        raise
+
+
 def solve_highs(model: IlpModel, *, relax: bool, time_limit_s: float | None, mip_gap: float,
                 threads: int, msg: bool, mps_path: str | Path | None) -> BackendOutcome:
     """Solve ``model`` (``relax``: its LP relaxation) with HiGHS; see the module docstring."""
@@ -152,7 +174,7 @@ def solve_highs(model: IlpModel, *, relax: bool, time_limit_s: float | None, mip
         h.setOptionValue("solver", "ipm")
         h.setOptionValue("run_crossover", "on")
     t1, c1 = time.perf_counter(), time.process_time()
-    h.run()
+    run_interruptible(h)
     wall, cpu = time.perf_counter() - t1, time.process_time() - c1
     info = h.getInfo()
     model_status = h.getModelStatus()
