@@ -1,6 +1,6 @@
 """The same physical plan costs the same on any factorisation of 64 GPUs.
 
-LLaMA-3 1B (2 layers, batch 64 x 2048) is planned with ``recipe=fsdp`` on a flat mesh
+LLaMA-3 1B (16 layers, batch 64 x 2048) is planned with ``recipe=fsdp`` on a flat mesh
 of 64 (8 nodes of 8 H100s). Its plan is then carried to the meshes 8x8 (dp, tp) and
 2x4x8 (dp, cp, tp) over the same 64 GPUs: a placement ``p`` on the flat mesh is ``p`` on
 every mesh dim (``S(0)`` -> ``S(0)S(0)``: the same rows on the same rank, the nested
@@ -36,7 +36,7 @@ from pipeline.topology import read_topology
 
 pytestmark = pytest.mark.slow
 
-MODEL = ["model=llama1b", "model.n_layers=2", "model.batch_size=64"]
+MODEL = ["model=llama1b", "model.batch_size=64"]
 MESHES = {"8x8": ((8, 8), ("dp", "tp")), "2x4x8": ((2, 4, 8), ("dp", "cp", "tp"))}
 HW = HardwareConfig()
 
