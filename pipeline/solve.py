@@ -64,6 +64,11 @@ log = logging.getLogger(__name__)
 BOUND_PROBLEM = "as posed (tied groups, all constraints, every candidate strategy)"
 
 
+
+#: Run-record keys written only when set (``recipe``, ``backend`` for the ILP / LP,
+#: ``revision_label`` of a profile run): absent, not null, otherwise.
+OPTIONAL_RECORD_KEYS: tuple[str, ...] = ("recipe", "backend", "revision_label")
+
 def placement_hash(names: list[str], outputs: list[str], inputs: list[list[str]]) -> str:
     """SHA-256 over node names with their chosen output and input placements, graph order."""
     h = hashlib.sha256()
@@ -446,6 +451,11 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
         "revision_label": cfg.get("revision_label"),
         "fallback_ops": topology.summary.get("fallback_ops", {}),
     }
+    # optional fields only when they say something (no all-null runs.parquet columns):
+    # the recipe of a pinned run, the ILP / LP backend, a profile's revision label
+    for key in OPTIONAL_RECORD_KEYS:
+        if record.get(key) is None:
+            record.pop(key, None)
     if lp_bound is not None:
         record["lp_bound"] = float(lp_bound)
     record.update(_step_time(cfg, topology, costs, cost_model, strategy, parts))
