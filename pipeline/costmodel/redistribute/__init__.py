@@ -16,6 +16,9 @@ module             job
 :mod:`.planner`    :func:`plan`: DTensor's greedy planner on interned ids, the plan
                    cache, the strided-shard dispatch
 :mod:`.graph`      DTensor's graph (Dijkstra) planner on interned ids
+:mod:`.flatten`    flattened collectives: a redistribution that changes several mesh
+                   dims the same way (or a run of one collective over several) as one
+                   collective over their flattened group (``flatten=True``)
 :mod:`.cost`       :func:`redistribute_us` / :func:`redistribute_steps`: one
                    redistribution, scalar
 :mod:`.tables`     :func:`redistribute_table` (all pairs, vectorised, bit-identical to
