@@ -241,11 +241,12 @@ def plot_plans(runs: Any, path: Path, prov: dict[str, Any]) -> None:
 def plot_scale(runs: Any, path: Path, prov: dict[str, Any]) -> None:
     """The scale run set (pipeline/paper/tables.py ``scale_table``): per model and mesh,
     the planner's plan beside each recipe: overlap-aware step time, tokens/s per GPU,
-    and peak memory per GPU against the device memory (dashed)."""
+    and peak memory per GPU against the device memory (dashed); log scales, so that
+    models of very different size share a panel."""
     from pipeline.paper.tables import scale_table
 
     table = scale_table(runs)
-    fig, axes = _figure(ncols=3, width=max(12.0, 1.1 * len(table) + 4))
+    fig, axes = _figure(ncols=3, width=max(12.0, 0.5 * len(table) + 6), height=5.2)
     xs = list(range(len(table)))
     labels = [f"{r['model']} {r['mesh']}\n{r['plan']}" for r in table.to_dict("records")]
     colors = ["#4C72B0" if p == "planner" else "#C9D3E6" for p in table["plan"]]
@@ -254,6 +255,8 @@ def plot_scale(runs: Any, path: Path, prov: dict[str, Any]) -> None:
               (table["peak_gib"], "GiB per GPU", "Peak memory"))
     for ax, (values, ylabel, title) in zip(axes, panels, strict=True):
         ax.bar(xs, values, color=colors)
+        if (values > 0).any():
+            ax.set_yscale("log")
         ax.set_xticks(xs)
         ax.set_xticklabels(labels, fontsize=6, rotation=90)
         ax.set_ylabel(ylabel)

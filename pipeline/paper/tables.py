@@ -295,7 +295,7 @@ def scale_table(runs: Any) -> Any:
     (``planner`` or the recipe), the overlap-aware step time, tokens/s per GPU, the
     memory model's peak bytes per device against the hardware's device memory
     (``memory.peak_bytes``, ``hardware.device_memory_bytes``) and the additive
-    objective; sorted by model, GPU count, planner first."""
+    objective; sorted by GPU count, then model, the planner first."""
     import pandas as pd
 
     out = []
@@ -317,7 +317,7 @@ def scale_table(runs: Any) -> Any:
     table = pd.DataFrame(out, columns=cols)
     if len(table):
         order = sorted(range(len(table)), key=lambda i: (
-            str(table.iloc[i]["model"]), mesh_order(table.iloc[i]["mesh"]),
+            mesh_order(table.iloc[i]["mesh"]), str(table.iloc[i]["model"]),
             table.iloc[i]["plan"] != "planner", str(table.iloc[i]["plan"])))
         table = table.iloc[order].reset_index(drop=True)
     return table
