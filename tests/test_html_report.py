@@ -28,8 +28,8 @@ SKIP_ENV = "PLANNER_SKIP_BROWSER"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 #: By hand: the paper's figures and table (pipeline/paper/experiment.py, ARTIFACTS).
 PAPER_FIGURES = ("fig_phases.png", "fig_peak_rss.png", "fig_depth.png", "fig_solvers.png",
-                 "fig_plans.png")
-PAPER_TABLES = ("eager_vs_lazy.html", "plans.html")
+                 "fig_plans.png", "fig_scale.png")
+PAPER_TABLES = ("eager_vs_lazy.html", "plans.html", "scale.html")
 
 #: Appended to a copy of the report: once the app has rendered, record the results it
 #: renders its menu from (each with name, labels, category, caption, MIME type; the data
@@ -150,6 +150,8 @@ def test_html_report_shows_every_table_and_figure(tmp_path, toy_results):
     assert "Eager vs lazy costs, mesh 2x4" in table and '<td class="">lazy</td>' in table
     plans_table = _page_text(_entry(check, PAPER_TABLES[1], "text/html"))
     assert plans_table.count("<tr>") >= 1 + 4  # the header and a row per plan
+    scale_table = _page_text(_entry(check, PAPER_TABLES[2], "text/html"))
+    assert "Scale: the planner" in scale_table and '">planner</td>' in scale_table
     # every plan picture under runs/, labelled by its run directory
     pictures = sorted(str(p.parent.relative_to(results / "runs"))
                       for p in results.glob("runs/**/plan.png"))
