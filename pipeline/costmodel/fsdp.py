@@ -1,9 +1,10 @@
 """FSDP2's collective semantics on the edges of the joint graph: parameter units and
-their buckets, the backward re-gather, and the gradient reduce dtype.
+their buckets, the backward re-gather, the flattened groups, and the gradient reduce
+dtype.
 
 The redistribution of an edge is costed by :mod:`pipeline.costmodel.redistribute` as
 DTensor would run it, one collective per tensor. FSDP2 (``torch.distributed.fsdp.
-fully_shard``; PyTorch docs "FSDP2", and torchtitan's ``apply_fsdp``) changes three
+fully_shard``; PyTorch docs "FSDP2", and torchtitan's ``apply_fsdp``) changes four
 things for the tensors it manages, the parameters and their gradients:
 
 1. **Buckets.** ``fully_shard(module)`` makes one *FSDP unit* (a parameter group): the
