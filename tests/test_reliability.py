@@ -385,7 +385,11 @@ def test_a_failing_snakemake_job_prints_its_one_line_error(tmp_path, toy_results
 # --------------------------------------------------------------------------- interrupts
 
 
+# Each script first restores Python's SIGINT handler: a process started in the
+# background (`cmd &`) inherits SIGINT ignored, and Python then keeps it ignored.
 CBC_SCRIPT = textwrap.dedent("""
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import sys
     import numpy as np
     sys.path.insert(0, {tests!r})
@@ -447,6 +451,8 @@ def test_a_signal_during_a_cbc_solve_kills_cbc_and_removes_its_temp_dir(tmp_path
 
 
 HIGHS_SCRIPT = textwrap.dedent("""
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import sys, time
     import numpy as np
     sys.path.insert(0, {tests!r})
