@@ -165,8 +165,9 @@ def _grids(entry: Any, set_name: str) -> list[list[str]]:
         [str(o) for o in items]]
     if not items or any(nested) and not all(nested) or not all(grids):
         raise ConfigError(f"paper.runs.{set_name}={list(items) if items else '[]'}: allowed a "
-                          "non-empty list of overrides, e.g. [mesh=8,2x4, "
-                          "lazy_costs=true,false], or a list of such lists")
+                          "non-empty list of overrides, e.g. \"paper.runs."
+                          f"{set_name}=['mesh=8,2x4','lazy_costs=true,false']\", or a list of "
+                          "such lists")
     return grids
 
 
