@@ -545,10 +545,12 @@ class FactorProvider:
         else:
             ur, rinv = np.unique(np.stack(rows, axis=1), axis=0, return_inverse=True)
             uc, cinv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
-            parts = [t[np.ix_(ur[:, k], uc[:, k])] for k, t in enumerate(tables)]
+            # graph-edge order, one addition per member edge; each member's part is
+            # gathered when it is added (no list of [R, C] parts) and added in place
+            # (the same sums as ``table = table + part``)
             table = np.zeros((len(ur), len(uc)))
-            for k in seq:  # graph-edge order, one addition per member edge
-                table = table + parts[k]
+            for k in seq:
+                np.add(table, tables[k][np.ix_(ur[:, k], uc[:, k])], out=table)
             f = PairwiseFactor(rinv.reshape(-1).astype(np.int32),
                                cinv.reshape(-1).astype(np.int32), table)
         self._factors[ge] = f

@@ -324,8 +324,18 @@ class CompiledMRF:
         self.tab_off = pos + np.concatenate([[0], np.cumsum(sizes_rc)[:-1]]).astype(_IP)
         if n_edges == 0:
             self.tab_off = np.zeros(0, dtype=_IP)
-        tabs = [t.ravel() for t in self.tables]
-        self._tab_flat = np.concatenate(tabs) if tabs else np.zeros(0)
+        # One array holds the zero messages and every table (the first buffer handed out,
+        # :meth:`new_buffer`); ``tables[e]`` become views of it, so a table is stored once.
+        store = np.empty(pos + int(sizes_rc.sum()))
+        store[:pos] = 0.0
+        for e in range(n_edges):
+            lo = int(self.tab_off[e])
+            view = store[lo: lo + int(sizes_rc[e])].reshape(self.tables[e].shape)
+            view[...] = self.tables[e]
+            self.tables[e] = view
+        self._store = store
+        self._handed = False
+        self._tab_flat = store[pos:]
         # Class maps, flat: row classes of edge e at rc_off[e], column classes at cc_off[e].
         parts, off = [], 0
         rc_off = np.zeros(n_edges, dtype=_IP)
@@ -343,8 +353,18 @@ class CompiledMRF:
         self.unary_flat = np.concatenate(self.unary) if self.unary else np.zeros(0)
 
     def new_buffer(self) -> np.ndarray:
-        """Return a fresh ``buf``: zero messages followed by the tables."""
-        return np.concatenate([np.zeros(self.msg_size), self._tab_flat])
+        """Return a fresh ``buf``: zero messages followed by the tables.
+
+        The first call hands out the compiled store itself (its tables are
+        ``tables[e]``, never written: a pass writes only the message area), later
+        calls a copy with zero messages, so one solve keeps one copy of the tables.
+        """
+        if not self._handed:
+            self._handed = True
+            return self._store
+        buf = self._store.copy()
+        buf[: self.msg_size] = 0.0
+        return buf
 
     # ------------------------------------------------------------ node arrays
     def _build_node_arrays(self) -> None:
