@@ -377,6 +377,12 @@ class CostModel:
                 dtype=np.int64, count=len(self.edges))
         return self._edge_cls
 
+    def forget(self, e: int) -> None:
+        """Drop the memoised table of edge ``e``'s class (recomputed if asked again):
+        the factor provider calls it once every group factor that reads the class
+        exists, so a class's table is not kept beside the group factors built from it."""
+        self._table_memo.pop(self._edge_key(e), None)
+
     def edge_table(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(row_cls [K_u], col_cls [K_v], table [R, C])`` of graph edge ``e`` (µs): the
         redistribution times ``edge_times[e]``, plus the transition cost, plus the
@@ -488,8 +494,24 @@ class FactorProvider:
         self.cost_model = cost_model
         self.groups = groups
         self._factors: dict[int, PairwiseFactor] = {}
+        self._readers: dict[int, int] | None = None
         self.unary_seconds = 0.0
         self.factor_seconds = 0.0
+
+    def _read(self, classes: set[int], edge_of: dict[int, int]) -> None:
+        """Memoised costs: one group factor that read the edge classes ``classes`` is
+        built; a class no unbuilt group factor reads leaves the cost model's memo
+        (:meth:`CostModel.forget`; ``edge_of``: a member edge of each class)."""
+        if self._readers is None:
+            cls = self.cost_model.edge_classes()
+            self._readers = {}
+            for members in self.groups.edge_members:
+                for c in {int(cls[e]) for e, _ in members}:
+                    self._readers[c] = self._readers.get(c, 0) + 1
+        for c in classes:
+            self._readers[c] -= 1
+            if self._readers[c] == 0:
+                self.cost_model.forget(edge_of[c])
 
     @property
     def num_built(self) -> int:
@@ -554,6 +576,10 @@ class FactorProvider:
             f = PairwiseFactor(rinv.reshape(-1).astype(np.int32),
                                cinv.reshape(-1).astype(np.int32), table)
         self._factors[ge] = f
+        if self.cost_model.memoise:
+            cls = self.cost_model.edge_classes()
+            self._read({int(cls[e]) for e, _ in members},
+                       {int(cls[e]): e for e, _ in members})
         self.cost_model.stats.group_factors += 1
         self.factor_seconds += time.perf_counter() - start
         return f

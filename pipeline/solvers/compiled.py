@@ -155,6 +155,7 @@ class CompiledMRF:
                 raise ValueError("MRF.edges contains a repeated (u, v) pair")
         n_edges = int(edges.shape[0])
         rcls, ccls, tables = [], [], []
+        used: list[tuple[np.ndarray | None, np.ndarray | None]] = []
         for e in range(n_edges):
             u, v = int(edges[e, 0]), int(edges[e, 1])
             f = mrf.factor(e)
@@ -171,13 +172,12 @@ class CompiledMRF:
             _check_costs(t, f"factor({e}).table")
             rc, used_r = _compact(rc, t.shape[0])
             cc, used_c = _compact(cc, t.shape[1])
-            if used_r is not None:
-                t = t[used_r]
-            if used_c is not None:
-                t = t[:, used_c]
             rcls.append(rc)
             ccls.append(cc)
-            tables.append(np.ascontiguousarray(t))
+            # the factor's own table (no copy); the classes in use are kept in the
+            # store by :meth:`_layout`
+            tables.append(t)
+            used.append((used_r, used_c))
         self.num_groups = n
         self.num_edges = n_edges
         self.sizes = sizes
@@ -187,8 +187,11 @@ class CompiledMRF:
         self.rcls = rcls
         self.ccls = ccls
         self.tables = tables
-        self.R = np.array([t.shape[0] for t in tables], dtype=_IP)
-        self.C = np.array([t.shape[1] for t in tables], dtype=_IP)
+        self._used = used
+        self.R = np.array([t.shape[0] if ur is None else int(ur.sum())
+                           for t, (ur, _) in zip(tables, used, strict=True)], dtype=_IP)
+        self.C = np.array([t.shape[1] if uc is None else int(uc.sum())
+                           for t, (_, uc) in zip(tables, used, strict=True)], dtype=_IP)
 
     def _permute(self, order: np.ndarray | None) -> None:
         """Renumber groups so that internal index ``i`` is group ``order[i]``.
@@ -212,14 +215,13 @@ class CompiledMRF:
         if self.num_edges == 0:
             return
         a, b = pos[self.edges[:, 0]], pos[self.edges[:, 1]]
-        for e in np.flatnonzero(a > b):
+        flip = np.flatnonzero(a > b)
+        for e in flip:
             self.rcls[e], self.ccls[e] = self.ccls[e], self.rcls[e]
-            self.tables[e] = np.ascontiguousarray(self.tables[e].T)
+            self.tables[e] = self.tables[e].T  # a view; :meth:`_layout` copies it once
+            self._used[e] = self._used[e][::-1]
         self.edges = np.stack([np.minimum(a, b), np.maximum(a, b)], axis=1)
-        self.R, self.C = (
-            np.array([t.shape[0] for t in self.tables], dtype=_IP),
-            np.array([t.shape[1] for t in self.tables], dtype=_IP),
-        )
+        self.R[flip], self.C[flip] = self.C[flip], self.R[flip]
 
     def to_internal(self, labels: np.ndarray) -> np.ndarray:
         """Labels indexed by group -> labels indexed by internal position."""
@@ -330,9 +332,16 @@ class CompiledMRF:
         store[:pos] = 0.0
         for e in range(n_edges):
             lo = int(self.tab_off[e])
-            view = store[lo: lo + int(sizes_rc[e])].reshape(self.tables[e].shape)
-            view[...] = self.tables[e]
+            view = store[lo: lo + int(sizes_rc[e])].reshape(int(self.R[e]), int(self.C[e]))
+            t, (used_r, used_c) = self.tables[e], self._used[e]
+            if used_r is None and used_c is None:
+                view[...] = t
+            else:  # the classes in use only (compacted, module docstring)
+                rows = np.flatnonzero(used_r) if used_r is not None else np.arange(t.shape[0])
+                cols = np.flatnonzero(used_c) if used_c is not None else np.arange(t.shape[1])
+                view[...] = t[np.ix_(rows, cols)]
             self.tables[e] = view
+        del self._used
         self._store = store
         self._handed = False
         self._tab_flat = store[pos:]
