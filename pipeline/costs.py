@@ -584,6 +584,14 @@ class FactorProvider:
         self.factor_seconds += time.perf_counter() - start
         return f
 
+    def share(self, ge: int, table: np.ndarray) -> None:
+        """:attr:`MRF.share`: keep ``table`` (a solver's copy, equal to group factor
+        ``ge``'s table) in place of the factor's own, which is then freed: the tables
+        live once, in the solver's store."""
+        f = self._factors.get(ge)
+        if f is not None and f.table.shape == table.shape:
+            self._factors[ge] = PairwiseFactor(f.row_cls, f.col_cls, table)
+
     def materialise_all(self) -> list[PairwiseFactor]:
         """Every group factor, in group-edge order (eager costs); a progress bar on a
         terminal (pipeline/progress.py)."""
@@ -683,7 +691,8 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
                            fuse_pointwise=fuse_pointwise)
     provider = FactorProvider(cost_model, groups)
     mrf = MRF(domain_sizes=groups.domain.copy(), unary=provider.unaries(),
-              edges=groups.edges.copy(), factor=provider.factor)
+              edges=groups.edges.copy(), factor=provider.factor,
+              share=provider.share if lazy else None)
     budget = None
     if param_memory is not None:
         pins = topology.summary.get("pins", {})

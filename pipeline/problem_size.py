@@ -53,6 +53,7 @@ class ProblemSize:
     class_pairs: int
     group_edges: int
     message_labels: int
+    group_pairs: int = 0
 
     @property
     def bytes(self) -> int:
@@ -121,7 +122,61 @@ def estimate(topology_dir: Path | str) -> ProblemSize:
             group_edges.add((min(group[u], group[v]), max(group[u], group[v])))
     message = sum(domain[g] + domain[h] for g, h in group_edges)
     return ProblemSize(labels=sum(domain.values()), class_pairs=int(pairs),
-                       group_edges=len(group_edges), message_labels=int(message))
+                       group_edges=len(group_edges), message_labels=int(message),
+                       group_pairs=group_class_pairs(directory))
+
+
+def group_class_pairs(topology_dir: Path | str) -> int:
+    """``sum_f R_f * C_f`` over the group factors ``f``: the entries of the pairwise
+    tables the solver holds (pipeline/costs.py :class:`FactorProvider`), with ``R_f``
+    (``C_f``) the joint row (column) classes of the factor's member edges, the distinct
+    rows of their stacked class vectors. Counted from the class vectors alone (no cost
+    is computed); member edges with the same strategy lists, output element and
+    argument have equal class vectors and are stacked once."""
+    import numpy as np
+
+    from pipeline.costs import _element_text, group_structure
+    from pipeline.topology import read_topology
+
+    topology = read_topology(Path(topology_dir))
+    ndim = len(topology.summary["mesh"])
+    slist = topology.nodes["slist"]
+    e = topology.edges
+    groups = group_structure(topology)
+    memo: dict[tuple, np.ndarray] = {}
+
+    def classes(kind: str, s: int, k: int) -> np.ndarray:
+        hit = memo.get((kind, s, k))
+        if hit is None:
+            if kind == "out":
+                texts = topology.slist_outputs[s]
+                if k >= 0:
+                    texts = [_element_text(t, k, ndim) for t in texts]
+            else:
+                texts = [ins[k] for ins in topology.slist_inputs[s]]
+            hit = memo[(kind, s, k)] = np.unique(texts, return_inverse=True)[1].reshape(-1)
+        return hit
+
+    total = 0
+    for members in groups.edge_members:
+        seen: set[tuple] = set()
+        rows, cols = [], []
+        for k, flipped in members:
+            u, el, v, a = (int(e["producer"][k]), int(e["element"][k]),
+                           int(e["consumer"][k]), int(e["arg"][k]))
+            key = (slist[u], el, slist[v], a, flipped)
+            if key in seen:
+                continue
+            seen.add(key)
+            r, c = classes("out", slist[u], el), classes("in", slist[v], a)
+            if flipped:
+                r, c = c, r
+            rows.append(r)
+            cols.append(c)
+        n_rows = len(np.unique(np.stack(rows, axis=1), axis=0))
+        n_cols = len(np.unique(np.stack(cols, axis=1), axis=0))
+        total += n_rows * n_cols
+    return int(total)
 
 
 def physical_memory() -> int | None:

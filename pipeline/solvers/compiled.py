@@ -43,6 +43,8 @@ Nothing here builds a dense ``K_u x K_v`` matrix.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pipeline.solvers.batches import (
@@ -111,7 +113,7 @@ class CompiledMRF:
         self._load(mrf)
         self._permute(order)
         self._schedule()
-        self._layout()
+        self._layout(mrf.share)
         self._build_node_arrays()
         self.fwd_batches = [
             send_batch(self, nodes, send, self._th_idx, forward=True)
@@ -200,6 +202,7 @@ class CompiledMRF:
         transposed (row and column classes exchanged), so ``u < v`` still holds.
         """
         n = self.num_groups
+        self._flipped = np.zeros(0, dtype=np.int64)
         if order is None:
             self.order = np.arange(n, dtype=np.int64)
             self.pos = self.order
@@ -215,7 +218,7 @@ class CompiledMRF:
         if self.num_edges == 0:
             return
         a, b = pos[self.edges[:, 0]], pos[self.edges[:, 1]]
-        flip = np.flatnonzero(a > b)
+        flip = self._flipped = np.flatnonzero(a > b)
         for e in flip:
             self.rcls[e], self.ccls[e] = self.ccls[e], self.rcls[e]
             self.tables[e] = self.tables[e].T  # a view; :meth:`_layout` copies it once
@@ -295,8 +298,10 @@ class CompiledMRF:
         self._all_levels = groups(lev_f, connected)
 
     # ---------------------------------------------------------------- layout
-    def _layout(self) -> None:
-        """Assign message slots (forward then backward area) and table offsets."""
+    def _layout(self, share: Any = None) -> None:
+        """Assign message slots (forward then backward area) and table offsets; copy
+        the tables into the store, offering each copy that equals its factor's table
+        (not compacted, not transposed) to ``share`` (:attr:`MRF.share`)."""
         n_edges = self.num_edges
         slot_f = np.zeros(n_edges, dtype=_IP)
         slot_b = np.zeros(n_edges, dtype=_IP)
@@ -328,6 +333,7 @@ class CompiledMRF:
             self.tab_off = np.zeros(0, dtype=_IP)
         # One array holds the zero messages and every table (the first buffer handed out,
         # :meth:`new_buffer`); ``tables[e]`` become views of it, so a table is stored once.
+        flipped = set(self._flipped.tolist())
         store = np.empty(pos + int(sizes_rc.sum()))
         store[:pos] = 0.0
         for e in range(n_edges):
@@ -336,6 +342,9 @@ class CompiledMRF:
             t, (used_r, used_c) = self.tables[e], self._used[e]
             if used_r is None and used_c is None:
                 view[...] = t
+                if share is not None and e not in flipped:
+                    self.tables[e] = t = None  # the factor's table may go now
+                    share(e, view)
             else:  # the classes in use only (compacted, module docstring)
                 rows = np.flatnonzero(used_r) if used_r is not None else np.arange(t.shape[0])
                 cols = np.flatnonzero(used_c) if used_c is not None else np.arange(t.shape[1])
