@@ -581,8 +581,19 @@ class FactorProvider:
             self._read({int(cls[e]) for e, _ in members},
                        {int(cls[e]): e for e, _ in members})
         self.cost_model.stats.group_factors += 1
+        if self.cost_model.memoise and len(self._factors) == len(self.groups.edge_members):
+            self._release()
         self.factor_seconds += time.perf_counter() - start
         return f
+
+    def _release(self) -> None:
+        """Every group factor exists: drop the redistribution planner's caches (pair
+        records, plans, interned placements: pipeline/costmodel/redistribute/interner.py;
+        recomputed, with equal values, if asked again) and return the freed heap."""
+        from pipeline.costmodel.redistribute import clear_caches
+
+        clear_caches()
+        runtime.release_free_memory()
 
     def share(self, ge: int, table: np.ndarray) -> None:
         """:attr:`MRF.share`: keep ``table`` (a solver's copy, equal to group factor
@@ -591,6 +602,8 @@ class FactorProvider:
         f = self._factors.get(ge)
         if f is not None and f.table.shape == table.shape:
             self._factors[ge] = PairwiseFactor(f.row_cls, f.col_cls, table)
+        if ge == len(self.groups.edge_members) - 1:  # the solver offers in edge order
+            runtime.release_free_memory()
 
     def materialise_all(self) -> list[PairwiseFactor]:
         """Every group factor, in group-edge order (eager costs); a progress bar on a

@@ -614,3 +614,37 @@ def test_python_m_pipeline_refuses_a_problem_above_max_memory(tmp_path, toy_resu
     assert size.labels == toy_results.run("mesh=8").record["counts"]["group_strategies"]
     assert "Traceback" not in proc.stderr
     assert not Path(dirs.costs).exists()
+
+
+#: A small model on a 4-d mesh: one nn.Linear (the custom family), mesh 2x2x2x2.
+LINEAR_4D = ["model=custom", "model.builder._target_=torch.nn.Linear",
+             "model.builder.in_features=16", "model.builder.out_features=32",
+             "model.inputs=[{name:x,shape:[16,16],dtype:float32}]", "mesh=2,2,2,2",
+             "mesh_names=[pp,dp,cp,tp]", "solver.max_memory=10GiB"]
+#: The estimate of :mod:`pipeline.problem_size` against a run's measured peak RSS.
+ESTIMATE_RTOL = 0.3
+
+
+def test_a_4d_mesh_plans_within_its_estimate(tmp_path):
+    """A 4-d mesh plans end to end (lazy costs, TRW-S certifies its plan) and the
+    problem-size estimate is within ESTIMATE_RTOL of the run's peak RSS, measured by
+    ``resource`` in a fresh parent of the run (its ``RUSAGE_CHILDREN`` holds only it)."""
+    from pipeline.problem_size import estimate
+
+    results = tmp_path / "results"
+    measure = ("import resource, subprocess, sys; "
+               "p = subprocess.run(sys.argv[1:]); "
+               "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    proc = run_py(tmp_path, "-c", measure, sys.executable, "-m", "pipeline", *LINEAR_4D,
+                  f"results_dir={results}")
+    code, peak_kib = (int(x) for x in proc.stdout.split()[-2:])
+    assert code == 0, proc.stderr[-3000:]
+    (record,) = [json.loads(p.read_text()) for p in results.glob("runs/*/*/*/*/*/run.json")]
+    assert record["mesh"] == "2x2x2x2" and record["cost_mode"] == "lazy"
+    assert record["status"] == "Optimal"
+    assert abs(record["objective"] - record["lower_bound"]) <= 1e-9 * record["objective"]
+    (topology,) = results.glob("runs/*/2x2x2x2-*")
+    size = estimate(topology)
+    assert size.labels == record["counts"]["group_strategies"]
+    peak = peak_kib * 1024
+    assert abs(size.bytes - peak) <= ESTIMATE_RTOL * peak, (size.bytes, peak)
