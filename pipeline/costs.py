@@ -377,6 +377,12 @@ class CostModel:
                 dtype=np.int64, count=len(self.edges))
         return self._edge_cls
 
+    def forget(self, e: int) -> None:
+        """Drop the memoised table of edge ``e``'s class (recomputed if asked again):
+        the factor provider calls it once every group factor that reads the class
+        exists, so a class's table is not kept beside the group factors built from it."""
+        self._table_memo.pop(self._edge_key(e), None)
+
     def edge_table(self, e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(row_cls [K_u], col_cls [K_v], table [R, C])`` of graph edge ``e`` (µs): the
         redistribution times ``edge_times[e]``, plus the transition cost, plus the
@@ -488,8 +494,24 @@ class FactorProvider:
         self.cost_model = cost_model
         self.groups = groups
         self._factors: dict[int, PairwiseFactor] = {}
+        self._readers: dict[int, int] | None = None
         self.unary_seconds = 0.0
         self.factor_seconds = 0.0
+
+    def _read(self, classes: set[int], edge_of: dict[int, int]) -> None:
+        """Memoised costs: one group factor that read the edge classes ``classes`` is
+        built; a class no unbuilt group factor reads leaves the cost model's memo
+        (:meth:`CostModel.forget`; ``edge_of``: a member edge of each class)."""
+        if self._readers is None:
+            cls = self.cost_model.edge_classes()
+            self._readers = {}
+            for members in self.groups.edge_members:
+                for c in {int(cls[e]) for e, _ in members}:
+                    self._readers[c] = self._readers.get(c, 0) + 1
+        for c in classes:
+            self._readers[c] -= 1
+            if self._readers[c] == 0:
+                self.cost_model.forget(edge_of[c])
 
     @property
     def num_built(self) -> int:
@@ -545,16 +567,43 @@ class FactorProvider:
         else:
             ur, rinv = np.unique(np.stack(rows, axis=1), axis=0, return_inverse=True)
             uc, cinv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
-            parts = [t[np.ix_(ur[:, k], uc[:, k])] for k, t in enumerate(tables)]
+            # graph-edge order, one addition per member edge; each member's part is
+            # gathered when it is added (no list of [R, C] parts) and added in place
+            # (the same sums as ``table = table + part``)
             table = np.zeros((len(ur), len(uc)))
-            for k in seq:  # graph-edge order, one addition per member edge
-                table = table + parts[k]
+            for k in seq:
+                np.add(table, tables[k][np.ix_(ur[:, k], uc[:, k])], out=table)
             f = PairwiseFactor(rinv.reshape(-1).astype(np.int32),
                                cinv.reshape(-1).astype(np.int32), table)
         self._factors[ge] = f
+        if self.cost_model.memoise:
+            cls = self.cost_model.edge_classes()
+            self._read({int(cls[e]) for e, _ in members},
+                       {int(cls[e]): e for e, _ in members})
         self.cost_model.stats.group_factors += 1
+        if self.cost_model.memoise and len(self._factors) == len(self.groups.edge_members):
+            self._release()
         self.factor_seconds += time.perf_counter() - start
         return f
+
+    def _release(self) -> None:
+        """Every group factor exists: drop the redistribution planner's caches (pair
+        records, plans, interned placements: pipeline/costmodel/redistribute/interner.py;
+        recomputed, with equal values, if asked again) and return the freed heap."""
+        from pipeline.costmodel.redistribute import clear_caches
+
+        clear_caches()
+        runtime.release_free_memory()
+
+    def share(self, ge: int, table: np.ndarray) -> None:
+        """:attr:`MRF.share`: keep ``table`` (a solver's copy, equal to group factor
+        ``ge``'s table) in place of the factor's own, which is then freed: the tables
+        live once, in the solver's store."""
+        f = self._factors.get(ge)
+        if f is not None and f.table.shape == table.shape:
+            self._factors[ge] = PairwiseFactor(f.row_cls, f.col_cls, table)
+        if ge == len(self.groups.edge_members) - 1:  # the solver offers in edge order
+            runtime.release_free_memory()
 
     def materialise_all(self) -> list[PairwiseFactor]:
         """Every group factor, in group-edge order (eager costs); a progress bar on a
@@ -655,7 +704,8 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
                            fuse_pointwise=fuse_pointwise)
     provider = FactorProvider(cost_model, groups)
     mrf = MRF(domain_sizes=groups.domain.copy(), unary=provider.unaries(),
-              edges=groups.edges.copy(), factor=provider.factor)
+              edges=groups.edges.copy(), factor=provider.factor,
+              share=provider.share if lazy else None)
     budget = None
     if param_memory is not None:
         pins = topology.summary.get("pins", {})

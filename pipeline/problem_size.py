@@ -12,19 +12,38 @@ started. :func:`estimate` reads the topology artifacts (``nodes.parquet``,
   distinct expected placements of that argument (its column classes): the entries of
   the edge tables the cost model computes (pipeline/costs.py), before memoisation;
 * ``group_edges`` and ``message_labels``, ``sum_(g,h) |D_g| + |D_h|`` over group edges
-  (TRW-S keeps two messages and two class maps per group edge).
+  (TRW-S keeps two messages and two class maps per group edge);
+* ``group_pairs``, ``sum_f R_f * C_f`` over the group factors ``f`` (joint classes of
+  their member edges, :func:`group_class_pairs`): the entries of the tables the solver
+  holds, and ``largest_table``, the largest ``R_e * C_e`` of one graph edge.
 
-``bytes`` is :data:`BYTES_PER_CLASS_PAIR` per class pair (the float64 table and the
-cost model's temporaries of the same size while it is built), :data:`BYTES_PER_LABEL`
-per label (unaries, labels' costs and bounds) and :data:`BYTES_PER_MESSAGE_LABEL` per
+``bytes`` is :data:`BYTES_PER_GROUP_PAIR` per group-factor entry (the float64 table,
+held once: the lazy factor provider and the solver's store share it, plus the
+temporaries of building and sweeping it), :data:`BYTES_PER_LARGEST_PAIR` per entry of
+the largest edge table (the redistribution planner's pair records and the cost
+model's temporaries while it is computed, freed after), :data:`BYTES_PER_LABEL` per
+label (unaries, labels' costs and bounds) and :data:`BYTES_PER_MESSAGE_LABEL` per
 message label (two float64 messages and an int32 class map), plus :data:`BASE_BYTES`
-for the process (torch, the graph). The constants were calibrated on the toy model,
-lazy costs, TRW-S (2-core Intel Xeon, 24 GiB): 2x4x8 (71,286 labels, 22.1e6 class pairs)
-peaked at 1.26 GiB, estimated 1.17 GiB; 2x2x4x8 (499,592 labels, 841e6 class pairs) was
-killed by the kernel at 20.9 GB, estimated 25.6 GiB. Lazy costs share the tables of
-repeated layers, so deep models stay below the estimate. :func:`check_fits` refuses a
-problem whose estimate exceeds ``solver.max_memory`` (default: :data:`DEFAULT_FRACTION`
-of this machine's physical memory) in one line.
+for the process (torch, the trace, the topology). The edge tables themselves
+(``class_pairs``) are not held: a memoised table leaves the cost model once the group
+factors reading it are built (pipeline/costs.py). Calibrated on this 2-core Intel Xeon
+(24 GiB, shared with other jobs), lazy costs, TRW-S, ``python -m pipeline`` in one
+process, peak RSS by ``/usr/bin/time -v``:
+
+==========================================  ===========  ============  =========  =========
+case                                        group pairs  largest edge  peak RSS   estimate
+==========================================  ===========  ============  =========  =========
+toy 2x4x8                                   11.9e6       0.28e6        0.70 GiB   0.71 GiB
+toy 2x2x4x8 (pp,dp,cp,tp)                   452e6        13.6e6        7.97 GiB   8.52 GiB
+examples TinyLM dim 16, 2x2x2x2             14.6e6       4.13e6        1.07 GiB   1.10 GiB
+one nn.Linear 16 -> 32, 2x2x2x2             0.83e6       0.16e6        0.58 GiB   0.53 GiB
+==========================================  ===========  ============  =========  =========
+
+(Before the tables were held once, toy 2x4x8 peaked at 1.25 GiB and 2x2x4x8 was
+killed by the kernel at 20.9 GB.) Lazy costs share the tables of repeated layers, so
+deep models stay below the estimate. :func:`check_fits` refuses a problem whose
+estimate exceeds ``solver.max_memory`` (default: :data:`DEFAULT_FRACTION` of this
+machine's physical memory) in one line.
 """
 
 from __future__ import annotations
@@ -37,7 +56,8 @@ from typing import Any
 from pipeline.artifacts import EDGES, NODES, STRATEGIES
 from pipeline.errors import PlanError
 
-BYTES_PER_CLASS_PAIR = 32
+BYTES_PER_GROUP_PAIR = 16
+BYTES_PER_LARGEST_PAIR = 96
 BYTES_PER_LABEL = 64
 BYTES_PER_MESSAGE_LABEL = 24
 BASE_BYTES = 512 << 20
@@ -53,10 +73,13 @@ class ProblemSize:
     class_pairs: int
     group_edges: int
     message_labels: int
+    group_pairs: int = 0
+    largest_table: int = 0
 
     @property
     def bytes(self) -> int:
-        return (BASE_BYTES + BYTES_PER_CLASS_PAIR * self.class_pairs
+        return (BASE_BYTES + BYTES_PER_GROUP_PAIR * self.group_pairs
+                + BYTES_PER_LARGEST_PAIR * self.largest_table
                 + BYTES_PER_LABEL * self.labels
                 + BYTES_PER_MESSAGE_LABEL * self.message_labels)
 
@@ -111,17 +134,72 @@ def estimate(topology_dir: Path | str) -> ProblemSize:
     domain = {}
     for g, k in zip(nodes["group"], nodes["num_strategies"]):
         domain.setdefault(g, int(k))
-    pairs, group_edges = 0, set()
+    pairs, largest, group_edges = 0, 0, set()
     for u, el, v, a in zip(edges["producer"], edges["element"], edges["consumer"],
                            edges["arg"]):
         r = rows.get((slist[u], max(int(el), 0)), 1)  # element -1: not a tuple output
         c = cols.get((slist[v], int(a)), 1)
         pairs += r * c
+        largest = max(largest, r * c)
         if group[u] != group[v]:
             group_edges.add((min(group[u], group[v]), max(group[u], group[v])))
     message = sum(domain[g] + domain[h] for g, h in group_edges)
     return ProblemSize(labels=sum(domain.values()), class_pairs=int(pairs),
-                       group_edges=len(group_edges), message_labels=int(message))
+                       group_edges=len(group_edges), message_labels=int(message),
+                       group_pairs=group_class_pairs(directory), largest_table=int(largest))
+
+
+def group_class_pairs(topology_dir: Path | str) -> int:
+    """``sum_f R_f * C_f`` over the group factors ``f``: the entries of the pairwise
+    tables the solver holds (pipeline/costs.py :class:`FactorProvider`), with ``R_f``
+    (``C_f``) the joint row (column) classes of the factor's member edges, the distinct
+    rows of their stacked class vectors. Counted from the class vectors alone (no cost
+    is computed); member edges with the same strategy lists, output element and
+    argument have equal class vectors and are stacked once."""
+    import numpy as np
+
+    from pipeline.costs import _element_text, group_structure
+    from pipeline.topology import read_topology
+
+    topology = read_topology(Path(topology_dir))
+    ndim = len(topology.summary["mesh"])
+    slist = topology.nodes["slist"]
+    e = topology.edges
+    groups = group_structure(topology)
+    memo: dict[tuple, np.ndarray] = {}
+
+    def classes(kind: str, s: int, k: int) -> np.ndarray:
+        hit = memo.get((kind, s, k))
+        if hit is None:
+            if kind == "out":
+                texts = topology.slist_outputs[s]
+                if k >= 0:
+                    texts = [_element_text(t, k, ndim) for t in texts]
+            else:
+                texts = [ins[k] for ins in topology.slist_inputs[s]]
+            hit = memo[(kind, s, k)] = np.unique(texts, return_inverse=True)[1].reshape(-1)
+        return hit
+
+    total = 0
+    for members in groups.edge_members:
+        seen: set[tuple] = set()
+        rows, cols = [], []
+        for k, flipped in members:
+            u, el, v, a = (int(e["producer"][k]), int(e["element"][k]),
+                           int(e["consumer"][k]), int(e["arg"][k]))
+            key = (slist[u], el, slist[v], a, flipped)
+            if key in seen:
+                continue
+            seen.add(key)
+            r, c = classes("out", slist[u], el), classes("in", slist[v], a)
+            if flipped:
+                r, c = c, r
+            rows.append(r)
+            cols.append(c)
+        n_rows = len(np.unique(np.stack(rows, axis=1), axis=0))
+        n_cols = len(np.unique(np.stack(cols, axis=1), axis=0))
+        total += n_rows * n_cols
+    return int(total)
 
 
 def physical_memory() -> int | None:
@@ -161,7 +239,7 @@ def check_fits(size: ProblemSize, max_memory: Any, mesh: str) -> None:
         return
     raise PlanError(
         f"solver.max_memory={shown}: mesh {mesh} is estimated at {format_bytes(size.bytes)} "
-        f"({size.labels:,} group labels, {size.class_pairs:,} class pairs over "
-        f"{size.group_edges:,} group edges), more than allowed; allowed a problem within "
+        f"({size.labels:,} group labels, {size.group_pairs:,} class pairs in "
+        f"{size.group_edges:,} group factors), more than allowed; allowed a problem within "
         "the limit: a larger solver.max_memory, a smaller mesh, or fewer candidate "
         "placements (constraints.inputs / constraints.nodes pins)")

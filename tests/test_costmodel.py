@@ -581,3 +581,43 @@ def test_strided_shard_plans_use_the_real_mesh_and_shape(hw):
     for i, a in enumerate(pls):
         for j, b in enumerate(pls):
             assert table[i, j] == redistribute_us(SHAPE, 2, a, b, MESH, hw)
+
+
+# --------------------------------------------------------------------------- group factors
+
+_TOY2 = dict(name="toy", dim=256, n_layers=3, n_heads=8, n_kv_heads=4,
+             ffn_dim_multiplier=1.0, multiple_of=256, ffn_hidden_overrides={},
+             rope_theta=500000.0, norm_eps=1e-5, vocab_size=1024, seq_len=64,
+             batch_size=16, param_dtype="bfloat16", reduce_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def toy_2x4(tmp_path_factory):
+    from fixtures import traced_topology
+
+    return traced_topology(tmp_path_factory.mktemp("toy2x4"), _TOY2, (2, 4), ("dp", "tp"))
+
+
+def test_group_factors_equal_the_dense_sum_of_their_edges(toy_2x4, hw):
+    """Every lazy group factor (class form, parts added in place, memoised tables
+    dropped once read) equals, bit for bit, the dense ``[K_u, K_v]`` sum of its member
+    edges' tables in graph-edge order from a cost model that memoises nothing; the memo
+    is empty once every factor exists."""
+    from pipeline.costs import CostModel, FactorProvider, group_structure
+
+    groups = group_structure(toy_2x4)
+    lazy = FactorProvider(CostModel(toy_2x4, hw, memoise=True), groups)
+    plain = CostModel(toy_2x4, hw, memoise=False)
+    multi = 0
+    for ge, members in enumerate(groups.edge_members):
+        lo, hi = (int(x) for x in groups.edges[ge])
+        dense = np.zeros((int(groups.domain[lo]), int(groups.domain[hi])))
+        for e, flipped in members:
+            r, c, t = plain.edge_table(e)
+            part = t[np.ix_(r, c)]
+            dense = dense + (part.T if flipped else part)
+        f = lazy.factor(ge)
+        assert np.array_equal(f.table[np.ix_(f.row_cls, f.col_cls)], dense), ge
+        multi += len(members) > 1
+    assert multi > 0  # the repeated layers' group edges have several members
+    assert lazy.cost_model._table_memo == {}

@@ -456,3 +456,22 @@ def test_clear_resets_every_cache(hw):
     assert np.array_equal(redistribute_table((64, 64), 2, pls, pls, mesh, hw), table)
     # a cleared interner rebuilds the same table
     assert np.array_equal(redistribute_table((64, 64), 2, pls, pls, mesh, hw, interner=it), table)
+
+
+def test_pairs_planned_in_blocks_give_the_same_table(hw, monkeypatch):
+    """The batch planner run on blocks of pairs (tables.PAIR_BLOCK) gives every entry of
+    a 4-d table bit for bit as one call over all pairs, and each entry equals the
+    scalar redistribute_us."""
+    mesh = (2, 2, 2, 2)
+    texts = ["".join(p) for p in itertools.product(["R", "S(0)", "S(1)", "P"], repeat=4)]
+    pls = [pp(t) for t in texts]
+    whole = redistribute_table((64, 32), 2, pls, pls, mesh, hw, interner=PlacementInterner())
+    monkeypatch.setattr(tables, "PAIR_BLOCK", 7)
+    blocks = redistribute_table((64, 32), 2, pls, pls, mesh, hw,
+                                interner=PlacementInterner())
+    assert whole.shape == (256, 256)
+    assert np.array_equal(whole, blocks)
+    rng = random.Random(5)
+    for _ in range(40):
+        i, j = rng.randrange(256), rng.randrange(256)
+        assert blocks[i, j] == redistribute_us((64, 32), 2, pls[i], pls[j], mesh, hw)

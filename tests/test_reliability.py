@@ -571,13 +571,51 @@ def test_the_problem_size_is_counted_from_the_topology(toy_results):
             ins[(s["slist"], a)].add(p)
     by_id = {n["id"]: n for n in nodes}
     domain = {n["group"]: n["num_strategies"] for n in nodes}
-    pairs = sum(len(outs[(by_id[e["producer"]]["slist"], max(e["element"], 0))])
-                * len(ins[(by_id[e["consumer"]]["slist"], e["arg"])]) for e in edges)
+    each = [len(outs[(by_id[e["producer"]]["slist"], max(e["element"], 0))])
+            * len(ins[(by_id[e["consumer"]]["slist"], e["arg"])]) for e in edges]
+    pairs = sum(each)
     size = estimate(d)
     assert size.labels == sum(domain.values()) == toy_results.run("mesh=2x4").record[
         "counts"]["group_strategies"]
     assert size.class_pairs == pairs
-    assert size.bytes == BASE_BYTES + 32 * pairs + 64 * size.labels + 24 * size.message_labels
+    assert size.largest_table == max(each)
+    # group factors: label k of a group is strategy k of each member; its joint class on
+    # a group edge is the tuple of its placements on the member edges
+    ndim = 2
+    texts = collections.defaultdict(list)
+    for s in strategies:
+        texts[s["slist"]].append((s["output"], s["inputs"]))
+
+    def side(node: dict, k: int, out: bool, element: int, arg: int) -> str:
+        o, i = texts[node["slist"]][k]
+        if not out:
+            return i[arg]
+        if element < 0 or not o.startswith("("):
+            return o
+        part = o[1:-1].split("|")[element]
+        return "R" * ndim if part == "-" else part
+
+    between = collections.defaultdict(list)
+    for e in edges:
+        gu, gv = by_id[e["producer"]]["group"], by_id[e["consumer"]]["group"]
+        if gu != gv:
+            between[(min(gu, gv), max(gu, gv))].append((e, gu > gv))
+    group_pairs = 0
+    for (lo, hi), members in between.items():
+        def joint(g: int, low: bool, members=members) -> int:
+            keys = set()
+            for k in range(domain[g]):
+                key = []
+                for e, flipped in members:
+                    prod = (not flipped) == low  # this side of e is the producer
+                    node = by_id[e["producer"] if prod else e["consumer"]]
+                    key.append(side(node, k, prod, e["element"], e["arg"]))
+                keys.add(tuple(key))
+            return len(keys)
+        group_pairs += joint(lo, True) * joint(hi, False)
+    assert size.group_pairs == group_pairs
+    assert size.bytes == (BASE_BYTES + 16 * group_pairs + 96 * max(each) + 64 * size.labels
+                          + 24 * size.message_labels)
 
 
 def test_a_problem_above_max_memory_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -585,19 +623,19 @@ def test_a_problem_above_max_memory_is_refused_in_one_line(tmp_path, monkeypatch
     from pipeline.problem_size import ProblemSize
 
     big = ProblemSize(labels=499_592, class_pairs=10**9, group_edges=401,
-                      message_labels=10**6)
+                      message_labels=10**6, group_pairs=2 * 10**9, largest_table=10**7)
     monkeypatch.setattr("pipeline.problem_size.estimate", lambda d: big)
     cfg = load_resolved(["model=toy", "solver.max_memory=4GiB"])
     with pytest.raises(PlanError) as err:
         cli.check_problem_size(cfg, stage_dirs(cfg))
-    gib = (2**29 + 32 * 10**9 + 64 * 499_592 + 24 * 10**6) / 2**30
+    gib = (2**29 + 16 * 2 * 10**9 + 96 * 10**7 + 64 * 499_592 + 24 * 10**6) / 2**30
     assert str(err.value) == (
         f"solver.max_memory=4GiB: mesh 2x4x8 is estimated at {gib:.2f} GiB (499,592 group "
-        "labels, 1,000,000,000 class pairs over 401 group edges), more than allowed; "
+        "labels, 2,000,000,000 class pairs in 401 group factors), more than allowed; "
         "allowed a problem within the limit: a larger solver.max_memory, a smaller mesh, "
         "or fewer candidate placements (constraints.inputs / constraints.nodes pins)")
-    cli.check_problem_size(load_resolved(["model=toy", "solver.max_memory=31GiB"]),
-                           stage_dirs(cfg))  # 30.36 GiB fits
+    cli.check_problem_size(load_resolved(["model=toy", "solver.max_memory=32GiB"]),
+                           stage_dirs(cfg))  # 31.25 GiB fits
     # a guard, in no directory key; bad values are one line
     assert stage_dirs(cfg).solve == stage_dirs(load_resolved(["model=toy"])).solve
     with pytest.raises(ConfigError, match=r"^solver.max_memory=lots: allowed a positive"):
@@ -620,3 +658,37 @@ def test_python_m_pipeline_refuses_a_problem_above_max_memory(tmp_path, toy_resu
     assert size.labels == toy_results.run("mesh=8").record["counts"]["group_strategies"]
     assert "Traceback" not in proc.stderr
     assert not Path(dirs.costs).exists()
+
+
+#: A small model on a 4-d mesh: one nn.Linear (the custom family), mesh 2x2x2x2.
+LINEAR_4D = ["model=custom", "model.builder._target_=torch.nn.Linear",
+             "model.builder.in_features=16", "model.builder.out_features=32",
+             "model.inputs=[{name:x,shape:[16,16],dtype:float32}]", "mesh=2,2,2,2",
+             "mesh_names=[pp,dp,cp,tp]", "solver.max_memory=10GiB"]
+#: The estimate of :mod:`pipeline.problem_size` against a run's measured peak RSS.
+ESTIMATE_RTOL = 0.3
+
+
+def test_a_4d_mesh_plans_within_its_estimate(tmp_path):
+    """A 4-d mesh plans end to end (lazy costs, TRW-S certifies its plan) and the
+    problem-size estimate is within ESTIMATE_RTOL of the run's peak RSS, measured by
+    ``resource`` in a fresh parent of the run (its ``RUSAGE_CHILDREN`` holds only it)."""
+    from pipeline.problem_size import estimate
+
+    results = tmp_path / "results"
+    measure = ("import resource, subprocess, sys; "
+               "p = subprocess.run(sys.argv[1:]); "
+               "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    proc = run_py(tmp_path, "-c", measure, sys.executable, "-m", "pipeline", *LINEAR_4D,
+                  f"results_dir={results}")
+    code, peak_kib = (int(x) for x in proc.stdout.split()[-2:])
+    assert code == 0, proc.stderr[-3000:]
+    (record,) = [json.loads(p.read_text()) for p in results.glob("runs/*/*/*/*/*/run.json")]
+    assert record["mesh"] == "2x2x2x2" and record["cost_mode"] == "lazy"
+    assert record["status"] == "Optimal"
+    assert abs(record["objective"] - record["lower_bound"]) <= 1e-9 * record["objective"]
+    (topology,) = results.glob("runs/*/2x2x2x2-*")
+    size = estimate(topology)
+    assert size.labels == record["counts"]["group_strategies"]
+    peak = peak_kib * 1024
+    assert abs(size.bytes - peak) <= ESTIMATE_RTOL * peak, (size.bytes, peak)

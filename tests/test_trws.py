@@ -671,3 +671,64 @@ def test_benchmark_large_instance():
         f"  with local search: energy {polished.objective:.2f} gap {polished.gap:.2e} "
         f"(polish {polished.extra['local_search_seconds']:.2f} s wall)"
     )
+
+
+@pytest.mark.parametrize("big_table, chunk", [(1, 1), (1, 7), (9, 1 << 21)])
+def test_big_tables_send_the_same_messages(monkeypatch, big_table, chunk):
+    """Messages straight from a big table (batches.big_edge_messages, in row chunks)
+    equal the gathered per-pair path bit for bit: the same bounds at every iteration,
+    the same labels and objective, with and without forbidden entries and with unused
+    (compacted) classes. ``big_table=1`` sends every edge that way, 9 a mix."""
+    import pipeline.solvers.batches as batches
+
+    for seed in range(6):
+        rng = np.random.default_rng(4100 + seed)
+        n = 40
+        mrf = random_mrf(rng, n, graph_like_edges(rng, n, 90, window=8), kmax=9,
+                         inf_frac=0.1 if seed % 2 else 0.0)
+        kwargs = dict(max_iters=15, tol=0.0, max_levels=6 if seed % 3 else 128)
+        try:
+            ref = solve_trws(mrf, **kwargs)
+        except InfeasibleError as err:
+            monkeypatch.setattr(batches, "BIG_TABLE", big_table)
+            monkeypatch.setattr(batches, "BIG_CHUNK", chunk)
+            with pytest.raises(InfeasibleError, match=str(err).split(":")[0]):
+                solve_trws(mrf, **kwargs)
+            monkeypatch.undo()
+            continue
+        monkeypatch.setattr(batches, "BIG_TABLE", big_table)
+        monkeypatch.setattr(batches, "BIG_CHUNK", chunk)
+        cm = CompiledMRF(mrf)
+        assert any(b.big for b in cm.fwd_batches + cm.bwd_batches)
+        got = solve_trws(mrf, **kwargs)
+        monkeypatch.undo()
+        assert got.bound_history == ref.bound_history
+        assert got.labels.tolist() == ref.labels.tolist()
+        assert got.objective == ref.objective
+
+
+def test_compiled_tables_are_one_store():
+    """The compiled tables are views of the first buffer (one copy per solve), equal to
+    the factors' tables on the classes in use; a second buffer is a copy with zero
+    messages."""
+    rng = np.random.default_rng(77)
+    mrf = random_mrf(rng, 12, graph_like_edges(rng, 12, 20, window=4), kmax=7)
+    cm = CompiledMRF(mrf, interleaved_order(12, 3))
+    buf = cm.new_buffer()
+    for e in range(cm.num_edges):
+        assert np.shares_memory(cm.tables[e], buf)
+    for e in range(mrf.num_edges):  # external edge e, internal edge by endpoints
+        f = mrf.factor(e)
+        u, v = (int(cm.pos[x]) for x in mrf.edges[e])
+        k = next(i for i in range(cm.num_edges)
+                 if {int(cm.edges[i, 0]), int(cm.edges[i, 1])} == {u, v})
+        dense = f.table[np.ix_(f.row_cls, f.col_cls)]  # [K_u, K_v] of the external edge
+        if u > v:
+            dense = dense.T
+        got = cm.tables[k][np.ix_(cm.rcls[k], cm.ccls[k])]
+        assert np.array_equal(got, dense)
+    buf[: cm.msg_size] = 5.0
+    other = cm.new_buffer()
+    assert not np.shares_memory(other, buf)
+    assert not other[: cm.msg_size].any()
+    assert np.array_equal(other[cm.msg_size:], buf[cm.msg_size:])

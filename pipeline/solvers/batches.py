@@ -79,6 +79,43 @@ class SendBatch:
     hi: int = 0
     clo: int = 0
     chi: int = 0
+    big: list[tuple[int, int, int, np.ndarray]] | None = None
+    small_pos: np.ndarray | None = None
+
+
+#: A sending edge whose table has at least this many entries is minimised straight on
+#: its table (:func:`big_edge_messages`), without the per-pair gather arrays.
+BIG_TABLE = 1 << 12
+#: Entries of the temporary ``hr + T`` of one big-edge minimisation (rows at a time).
+BIG_CHUNK = 1 << 21
+
+
+def big_edge_messages(batch: SendBatch, hr: np.ndarray, out: np.ndarray) -> None:
+    """The messages of ``batch.big`` into ``out`` (the batch's ``[sum D_dst]`` output).
+
+    Edge ``(seg, h_off, r, table)``: ``table`` is the ``[R, C]`` class table (a view of
+    the compiled store), ``hr[h_off: h_off + r]`` the sender's class minima. Forward
+    (rows send): ``mc(j) = min_i hr(i) + T(i, j)``; backward: ``mc(i) = min_j hr(j) +
+    T(i, j)``. The same sums as the gathered ``hr[pair_src] + pair_tab`` of the small
+    edges and the exact minimum of them (any order), so the messages are bit-identical;
+    at most :data:`BIG_CHUNK` sums exist at a time.
+    """
+    for seg, h_off, r, table in batch.big:
+        h = hr[h_off: h_off + r]
+        n_rows, n_cols = table.shape
+        step = max(1, BIG_CHUNK // n_cols)
+        if batch.forward:  # h over rows; the message over columns
+            dst = out[seg: seg + n_cols]
+            for i in range(0, n_rows, step):
+                part = (h[i: i + step, None] + table[i: i + step]).min(axis=0)
+                if i == 0:
+                    dst[...] = part
+                else:
+                    np.minimum(dst, part, out=dst)
+        else:  # h over columns; the message over rows
+            for i in range(0, n_rows, step):
+                out[seg + i: seg + min(i + step, n_rows)] = (
+                    h[None, :] + table[i: i + step]).min(axis=1)
 
 
 @dataclass
@@ -147,6 +184,9 @@ def send_batch(cm: CompiledMRF, nodes: np.ndarray, send: list[int], th_idx_of: l
     r_src = cm.R[send] if forward else cm.C[send]
     d_dst = cm.C[send] if forward else cm.R[send]
     reps, revs, segs, gams, ptab = [], [], [], [], []
+    big_k = [k for k in range(n_send) if int(r_src[k]) * int(d_dst[k]) >= BIG_TABLE]
+    small = np.ones(n_send, dtype=bool)
+    small[big_k] = False
     a_off = 0
     for k, e in enumerate(send):
         u, v = int(cm.edges[e, 0]), int(cm.edges[e, 1])
@@ -160,16 +200,27 @@ def send_batch(cm: CompiledMRF, nodes: np.ndarray, send: list[int], th_idx_of: l
         revs.append(rev_slot + cls[order])
         segs.append(a_off + np.concatenate([[0], np.cumsum(counts)[:-1]]))
         gams.append(np.full(order.size, cm.gamma[src]))
-        ptab.append(t.T.ravel())
+        if small[k]:
+            ptab.append(t.T.ravel())
         a_off += int(src_n[k])
-    # pair_src: for edge k, the class-minimum indices h_off_k + (0..r_k-1), repeated d_k times.
-    pair_len = np.repeat(r_src, d_dst)
-    block = r_src * d_dst
-    h_off = np.concatenate([[0], np.cumsum(r_src)[:-1]])
-    p_off = np.concatenate([[0], np.cumsum(block)[:-1]])
+    # pair_src: for edge k, the class-minimum indices h_off_k + (0..r_k-1), repeated d_k
+    # times (small edges only; a big edge is minimised on its table).
+    h_off_all = np.concatenate([[0], np.cumsum(r_src)[:-1]])
+    r_s, d_s, h_off = r_src[small], d_dst[small], h_off_all[small]
+    pair_len = np.repeat(r_s, d_s)
+    block = r_s * d_s
+    p_off = np.concatenate([[0], np.cumsum(block)[:-1]])[: block.size]
     within = np.arange(int(block.sum())) - np.repeat(p_off, block)
-    pair_src = np.repeat(h_off, block) + within % np.repeat(r_src, block)
+    pair_src = np.repeat(h_off, block) + within % np.repeat(r_s, block)
     msg_len = d_dst.astype(_IP)
+    msg_seg = np.concatenate([[0], np.cumsum(msg_len)[:-1]]).astype(_IP, copy=False)
+    big = small_pos = None
+    if big_k:
+        big = [(int(msg_seg[k]), int(h_off_all[k]), int(r_src[k]), cm.tables[send[k]])
+               for k in big_k]
+        small_pos = (np.concatenate([msg_seg[k] + np.arange(int(d_dst[k]))
+                                     for k in np.flatnonzero(small)]).astype(_IP)
+                     if small.any() else np.zeros(0, dtype=_IP))
     lo = int(cm.slot_f[send[0]] if forward else cm.slot_b[send[0]])
     cstart = int((cm.cpos_f if forward else cm.cpos_b)[send[0]])
     return SendBatch(
@@ -182,10 +233,12 @@ def send_batch(cm: CompiledMRF, nodes: np.ndarray, send: list[int], th_idx_of: l
         snd_rev=np.concatenate(revs).astype(_IP, copy=False),
         snd_seg=np.concatenate(segs).astype(_IP, copy=False),
         pair_src=pair_src.astype(_IP, copy=False),
-        pair_tab=np.concatenate(ptab),
+        pair_tab=np.concatenate(ptab) if ptab else np.zeros(0),
         pair_seg=np.concatenate([[0], np.cumsum(pair_len)[:-1]]).astype(_IP, copy=False),
-        msg_seg=np.concatenate([[0], np.cumsum(msg_len)[:-1]]).astype(_IP, copy=False),
+        msg_seg=msg_seg,
         msg_len=msg_len,
+        big=big,
+        small_pos=small_pos,
         forward=forward,
         n_send=n_send,
         send_edges=np.array(send, dtype=_IP),

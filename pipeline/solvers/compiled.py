@@ -43,6 +43,8 @@ Nothing here builds a dense ``K_u x K_v`` matrix.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from pipeline.solvers.batches import (
@@ -111,7 +113,7 @@ class CompiledMRF:
         self._load(mrf)
         self._permute(order)
         self._schedule()
-        self._layout()
+        self._layout(mrf.share)
         self._build_node_arrays()
         self.fwd_batches = [
             send_batch(self, nodes, send, self._th_idx, forward=True)
@@ -155,6 +157,7 @@ class CompiledMRF:
                 raise ValueError("MRF.edges contains a repeated (u, v) pair")
         n_edges = int(edges.shape[0])
         rcls, ccls, tables = [], [], []
+        used: list[tuple[np.ndarray | None, np.ndarray | None]] = []
         for e in range(n_edges):
             u, v = int(edges[e, 0]), int(edges[e, 1])
             f = mrf.factor(e)
@@ -171,13 +174,12 @@ class CompiledMRF:
             _check_costs(t, f"factor({e}).table")
             rc, used_r = _compact(rc, t.shape[0])
             cc, used_c = _compact(cc, t.shape[1])
-            if used_r is not None:
-                t = t[used_r]
-            if used_c is not None:
-                t = t[:, used_c]
             rcls.append(rc)
             ccls.append(cc)
-            tables.append(np.ascontiguousarray(t))
+            # the factor's own table (no copy); the classes in use are kept in the
+            # store by :meth:`_layout`
+            tables.append(t)
+            used.append((used_r, used_c))
         self.num_groups = n
         self.num_edges = n_edges
         self.sizes = sizes
@@ -187,8 +189,11 @@ class CompiledMRF:
         self.rcls = rcls
         self.ccls = ccls
         self.tables = tables
-        self.R = np.array([t.shape[0] for t in tables], dtype=_IP)
-        self.C = np.array([t.shape[1] for t in tables], dtype=_IP)
+        self._used = used
+        self.R = np.array([t.shape[0] if ur is None else int(ur.sum())
+                           for t, (ur, _) in zip(tables, used, strict=True)], dtype=_IP)
+        self.C = np.array([t.shape[1] if uc is None else int(uc.sum())
+                           for t, (_, uc) in zip(tables, used, strict=True)], dtype=_IP)
 
     def _permute(self, order: np.ndarray | None) -> None:
         """Renumber groups so that internal index ``i`` is group ``order[i]``.
@@ -197,6 +202,7 @@ class CompiledMRF:
         transposed (row and column classes exchanged), so ``u < v`` still holds.
         """
         n = self.num_groups
+        self._flipped = np.zeros(0, dtype=np.int64)
         if order is None:
             self.order = np.arange(n, dtype=np.int64)
             self.pos = self.order
@@ -212,14 +218,13 @@ class CompiledMRF:
         if self.num_edges == 0:
             return
         a, b = pos[self.edges[:, 0]], pos[self.edges[:, 1]]
-        for e in np.flatnonzero(a > b):
+        flip = self._flipped = np.flatnonzero(a > b)
+        for e in flip:
             self.rcls[e], self.ccls[e] = self.ccls[e], self.rcls[e]
-            self.tables[e] = np.ascontiguousarray(self.tables[e].T)
+            self.tables[e] = self.tables[e].T  # a view; :meth:`_layout` copies it once
+            self._used[e] = self._used[e][::-1]
         self.edges = np.stack([np.minimum(a, b), np.maximum(a, b)], axis=1)
-        self.R, self.C = (
-            np.array([t.shape[0] for t in self.tables], dtype=_IP),
-            np.array([t.shape[1] for t in self.tables], dtype=_IP),
-        )
+        self.R[flip], self.C[flip] = self.C[flip], self.R[flip]
 
     def to_internal(self, labels: np.ndarray) -> np.ndarray:
         """Labels indexed by group -> labels indexed by internal position."""
@@ -293,8 +298,10 @@ class CompiledMRF:
         self._all_levels = groups(lev_f, connected)
 
     # ---------------------------------------------------------------- layout
-    def _layout(self) -> None:
-        """Assign message slots (forward then backward area) and table offsets."""
+    def _layout(self, share: Any = None) -> None:
+        """Assign message slots (forward then backward area) and table offsets; copy
+        the tables into the store, offering each copy that equals its factor's table
+        (not compacted, not transposed) to ``share`` (:attr:`MRF.share`)."""
         n_edges = self.num_edges
         slot_f = np.zeros(n_edges, dtype=_IP)
         slot_b = np.zeros(n_edges, dtype=_IP)
@@ -324,8 +331,29 @@ class CompiledMRF:
         self.tab_off = pos + np.concatenate([[0], np.cumsum(sizes_rc)[:-1]]).astype(_IP)
         if n_edges == 0:
             self.tab_off = np.zeros(0, dtype=_IP)
-        tabs = [t.ravel() for t in self.tables]
-        self._tab_flat = np.concatenate(tabs) if tabs else np.zeros(0)
+        # One array holds the zero messages and every table (the first buffer handed out,
+        # :meth:`new_buffer`); ``tables[e]`` become views of it, so a table is stored once.
+        flipped = set(self._flipped.tolist())
+        store = np.empty(pos + int(sizes_rc.sum()))
+        store[:pos] = 0.0
+        for e in range(n_edges):
+            lo = int(self.tab_off[e])
+            view = store[lo: lo + int(sizes_rc[e])].reshape(int(self.R[e]), int(self.C[e]))
+            t, (used_r, used_c) = self.tables[e], self._used[e]
+            if used_r is None and used_c is None:
+                view[...] = t
+                if share is not None and e not in flipped:
+                    self.tables[e] = t = None  # the factor's table may go now
+                    share(e, view)
+            else:  # the classes in use only (compacted, module docstring)
+                rows = np.flatnonzero(used_r) if used_r is not None else np.arange(t.shape[0])
+                cols = np.flatnonzero(used_c) if used_c is not None else np.arange(t.shape[1])
+                view[...] = t[np.ix_(rows, cols)]
+            self.tables[e] = view
+        del self._used
+        self._store = store
+        self._handed = False
+        self._tab_flat = store[pos:]
         # Class maps, flat: row classes of edge e at rc_off[e], column classes at cc_off[e].
         parts, off = [], 0
         rc_off = np.zeros(n_edges, dtype=_IP)
@@ -343,8 +371,18 @@ class CompiledMRF:
         self.unary_flat = np.concatenate(self.unary) if self.unary else np.zeros(0)
 
     def new_buffer(self) -> np.ndarray:
-        """Return a fresh ``buf``: zero messages followed by the tables."""
-        return np.concatenate([np.zeros(self.msg_size), self._tab_flat])
+        """Return a fresh ``buf``: zero messages followed by the tables.
+
+        The first call hands out the compiled store itself (its tables are
+        ``tables[e]``, never written: a pass writes only the message area), later
+        calls a copy with zero messages, so one solve keeps one copy of the tables.
+        """
+        if not self._handed:
+            self._handed = True
+            return self._store
+        buf = self._store.copy()
+        buf[: self.msg_size] = 0.0
+        return buf
 
     # ------------------------------------------------------------ node arrays
     def _build_node_arrays(self) -> None:

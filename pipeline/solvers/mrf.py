@@ -108,6 +108,10 @@ class MRF:
             memoised by the provider).
         constant: objective offset in µs (factors folded away by the builder).
         linear_constraints: optional side constraints (see LinearConstraint).
+        share: optional ``share(e, table)``: a solver that holds an equal copy of
+            ``factor(e).table`` (same shape and values, read-only) offers it, so a
+            memoising provider may keep that copy instead of its own (one copy of
+            the tables in memory); None: nothing is offered.
     """
 
     domain_sizes: np.ndarray
@@ -116,6 +120,7 @@ class MRF:
     factor: Callable[[int], PairwiseFactor]
     constant: float = 0.0
     linear_constraints: list[LinearConstraint] = field(default_factory=list)
+    share: Callable[[int, np.ndarray], None] | None = None
 
     @property
     def num_groups(self) -> int:

@@ -116,6 +116,7 @@ import numpy as np
 
 from pipeline.solvers.batches import (
     SendBatch,
+    big_edge_messages,
     conditional_sweep,
     index_order_levels,
     interleaved_order,
@@ -169,7 +170,14 @@ def _send_pass(
         m = buf[b.snd_rev]
         np.subtract(a, m, out=a, where=m != _INF)
         hr = np.minimum.reduceat(a, b.snd_seg)  # class minima, [sum R_src]
-        mc = np.minimum.reduceat(hr[b.pair_src] + b.pair_tab, b.pair_seg)  # [sum D_dst]
+        if b.big is None:
+            mc = np.minimum.reduceat(hr[b.pair_src] + b.pair_tab, b.pair_seg)  # [sum D_dst]
+        else:  # big tables minimised in place (batches.big_edge_messages), same values
+            mc = np.empty(b.hi - b.lo)
+            if b.small_pos.size:
+                mc[b.small_pos] = np.minimum.reduceat(hr[b.pair_src] + b.pair_tab,
+                                                      b.pair_seg)
+            big_edge_messages(b, hr, mc)
         c = np.minimum.reduceat(mc, b.msg_seg)  # normalisation constant per message
         if c.max() == _INF:
             e = int(b.send_edges[int(np.argmax(c))])

@@ -57,6 +57,10 @@ _ILLEGAL_STEP = 1  # an illegal pair's record is (_ILLEGAL_STEP,): cost +inf
 COST_CACHE_SIZE = 256
 
 
+#: Pairs planned by one call of the batch planner (:meth:`TableContext.compile_pairs`).
+PAIR_BLOCK = 1 << 18
+
+
 class TableContext:
     """Interned placements, step and record stores of one (mesh shape, tensor ndim)."""
 
@@ -263,8 +267,12 @@ class TableContext:
         out[i == j] = 0
         out[(out < 0) & (self.mixed[i] | self.mixed[j])] = 1
         todo = np.flatnonzero(out < 0)
-        if len(todo):
-            out[todo] = self._batch_records(i[todo], j[todo])
+        # in blocks: the batch planner holds ~1 kB per pair while it runs (4-d meshes:
+        # millions of new pairs in one table); a pair's record does not depend on the
+        # others planned with it
+        for lo in range(0, len(todo), PAIR_BLOCK):
+            part = todo[lo: lo + PAIR_BLOCK]
+            out[part] = self._batch_records(i[part], j[part])
         self.pair[i, j] = out
 
     def _batch_records(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
