@@ -114,35 +114,47 @@ def build_paper(runs: Any, exp: Experiment, runs_path: Path | None = None) -> li
     return written
 
 
+def _write_table_and_figure(rows: Any, exp: Experiment, source: dict[str, Any],
+                            provs: dict[str, dict[str, Any]], name: str, table: Any,
+                            markdown: Any, footer: str, plot: Any) -> list[Path]:
+    """Artifact ``name`` (``<name>.md`` and ``<name>.parquet`` of ``table``, each with its
+    provenance; the Markdown from ``markdown(table, footer)``, the footer ending with the
+    sidecar's name) and its figure ``fig_<name>`` (``plot(rows, path, provenance)``)."""
+    import pyarrow as pa
+
+    from pipeline import runtime
+
+    prov = provenance(rows, name, exp.name, source)
+    provs[name] = prov
+    md_path, pq_path = (exp.out_dir / f for f in ARTIFACTS[name])
+    runtime.write_parquet(pq_path, pa.Table.from_pandas(table, preserve_index=False),
+                          metadata=prov)
+    sep = "" if footer.endswith("<sub>") else "; "
+    footer = f"{footer}{sep}provenance: {sidecar_path(md_path).name}</sub>"
+    with runtime.atomic_path(md_path) as tmp:
+        tmp.write_text(markdown(table, footer))
+    write_sidecar(md_path, prov)
+    fig_name = f"fig_{name}"
+    fig_prov = provenance(rows, fig_name, exp.name, source)
+    provs[fig_name] = fig_prov
+    fig_path = exp.out_dir / ARTIFACTS[fig_name][0]
+    plot(rows, fig_path, fig_prov)
+    return [md_path, pq_path, fig_path]
+
+
 def _write_scale(rows: Any, exp: Experiment, source: dict[str, Any],
                  provs: dict[str, dict[str, Any]]) -> list[Path]:
     """The scale table and figure of run set ``scale``: per model and mesh, the
     planner's plan and each recipe: overlapped step time, tokens/s per GPU, peak memory
     per GPU (pipeline/paper/tables.py ``scale_table``)."""
-    import pyarrow as pa
-
-    from pipeline import runtime
-
-    prov = provenance(rows, "scale", exp.name, source)
-    provs["scale"] = prov
-    table = scale_table(rows)
-    md_path, pq_path = (exp.out_dir / f for f in ARTIFACTS["scale"])
-    runtime.write_parquet(pq_path, pa.Table.from_pandas(table, preserve_index=False),
-                          metadata=prov)
     footer = ("<sub>Step time: one compute stream and one communication stream per mesh "
               "dim (pipeline/steptime.py). Peak memory: the memory model's peak per GPU "
               "(pipeline/memory/); fits: at most the hardware's device memory. "
-              + describe_runs(rows).replace("\n", "; ")
-              + f"; provenance: {sidecar_path(md_path).name}</sub>")
-    with runtime.atomic_path(md_path) as tmp:
-        tmp.write_text(scale_markdown(table, "Scale: the planner's plan and the recipes",
-                                      footer))
-    write_sidecar(md_path, prov)
-    fig_prov = provenance(rows, "fig_scale", exp.name, source)
-    provs["fig_scale"] = fig_prov
-    fig_path = exp.out_dir / ARTIFACTS["fig_scale"][0]
-    plot_scale(rows, fig_path, fig_prov)
-    return [md_path, pq_path, fig_path]
+              + describe_runs(rows).replace("\n", "; "))
+    return _write_table_and_figure(
+        rows, exp, source, provs, "scale", scale_table(rows),
+        lambda t, f: scale_markdown(t, "Scale: the planner's plan and the recipes", f),
+        footer, plot_scale)
 
 
 def _write_plans(every: Any, exp: Experiment, source: dict[str, Any],
@@ -150,30 +162,16 @@ def _write_plans(every: Any, exp: Experiment, source: dict[str, Any],
     """The plans table of every run of the experiment: objective, overlap-aware step
     time, tokens/s per device, and each recipe run's ratios to the planner's plan
     (pipeline/paper/tables.py ``plans_table``)."""
-    import pyarrow as pa
-
-    from pipeline import runtime
-
-    prov = provenance(every, "plans", exp.name, source)
-    provs["plans"] = prov
-    table = plans_table(every)
-    md_path, pq_path = (exp.out_dir / f for f in ARTIFACTS["plans"])
-    runtime.write_parquet(pq_path, pa.Table.from_pandas(table, preserve_index=False),
-                          metadata=prov)
     footer = ("<sub>Objective: the additive cost the solvers minimise; step time: one "
               "compute stream and one communication stream per mesh dim, weight all-gathers "
               "prefetched one FSDP unit ahead, gradient reductions overlapped "
               "(pipeline/steptime.py). Ratios: recipe / the planner's plan of the same cost "
-              f"model.</sub>\n\n<sub>provenance: {sidecar_path(md_path).name}</sub>")
-    with runtime.atomic_path(md_path) as tmp:
-        tmp.write_text(plans_markdown(table, "Plans: additive objective and overlapped step "
-                                      "time", footer))
-    write_sidecar(md_path, prov)
-    fig_prov = provenance(every, "fig_plans", exp.name, source)
-    provs["fig_plans"] = fig_prov
-    fig_path = exp.out_dir / ARTIFACTS["fig_plans"][0]
-    plot_plans(every, fig_path, fig_prov)
-    return [md_path, pq_path, fig_path]
+              "model.</sub>\n\n<sub>")
+    return _write_table_and_figure(
+        every, exp, source, provs, "plans", plans_table(every),
+        lambda t, f: plans_markdown(t, "Plans: additive objective and overlapped step time",
+                                    f),
+        footer, plot_plans)
 
 
 def make_paper(overrides: Sequence[str] = (), run_missing: bool = True) -> list[Path]:

@@ -266,11 +266,19 @@ def _cell(value: Any, unit: str) -> str:
 def plans_markdown(table: Any, title: str, footer: str) -> str:
     """The plans table as GitHub Markdown, one line per run (model, mesh, plan, then
     :data:`PLAN_COLUMNS`)."""
-    head = ["Model", "Mesh", "Plan"] + [f"{h} ({u})" if u else h for _, h, u in PLAN_COLUMNS]
+    return _per_plan_markdown(table, PLAN_COLUMNS, _cell, title, footer)
+
+
+def _per_plan_markdown(table: Any, columns: Sequence[tuple[str, str, str]], cell: Any,
+                       title: str, footer: str) -> str:
+    """GitHub Markdown of a table with one line per plan: model, mesh, plan, then
+    ``columns`` ((column, header, unit) each, a cell written by ``cell(value, unit)``),
+    the title above and the footer below."""
+    head = ["Model", "Mesh", "Plan"] + [f"{h} ({u})" if u else h for _, h, u in columns]
     lines = [f"**{title}**", "", "| " + " | ".join(head) + " |",
-             "| --- | --- | --- |" + " ---: |" * len(PLAN_COLUMNS)]
+             "| --- | --- | --- |" + " ---: |" * len(columns)]
     for r in table.to_dict("records"):
-        cells = [_cell(r[c], u) for c, _, u in PLAN_COLUMNS]
+        cells = [cell(r[c], u) for c, _, u in columns]
         lines.append(f"| {r['model']} | {r['mesh']} | {r['plan']} | " + " | ".join(cells) + " |")
     lines += ["", footer, ""]
     return "\n".join(lines)
@@ -338,11 +346,4 @@ def _scale_cell(value: Any, unit: str) -> str:
 def scale_markdown(table: Any, title: str, footer: str) -> str:
     """The scale table as GitHub Markdown (model, mesh, plan, then
     :data:`SCALE_COLUMNS`)."""
-    head = ["Model", "Mesh", "Plan"] + [f"{h} ({u})" if u else h for _, h, u in SCALE_COLUMNS]
-    lines = [f"**{title}**", "", "| " + " | ".join(head) + " |",
-             "| --- | --- | --- |" + " ---: |" * len(SCALE_COLUMNS)]
-    for r in table.to_dict("records"):
-        cells = [_scale_cell(r[c], u) for c, _, u in SCALE_COLUMNS]
-        lines.append(f"| {r['model']} | {r['mesh']} | {r['plan']} | " + " | ".join(cells) + " |")
-    lines += ["", footer, ""]
-    return "\n".join(lines)
+    return _per_plan_markdown(table, SCALE_COLUMNS, _scale_cell, title, footer)
