@@ -79,12 +79,24 @@ def _nodes_table(topo: Topology) -> pa.Table:
 
 def _strategies_table(topo: Topology) -> pa.Table:
     list_col, strategy_col, output_col, inputs_col = [], [], [], []
+    # The same placement tuples recur in every list: format each distinct one once.
+    texts: dict[Any, str] = {}
+
+    def text(placements: Any, fmt: Any) -> str:
+        key = (fmt, placements) if isinstance(placements, tuple) else None
+        hit = texts.get(key) if key is not None else None
+        if hit is None:
+            hit = fmt(placements)
+            if key is not None:
+                texts[key] = hit
+        return hit
+
     for s, strategies in enumerate(topo.strategy_lists):
         for k in range(len(strategies)):
             list_col.append(s)
             strategy_col.append(k)
-            output_col.append(format_strategy_output(strategies.outputs[k]))
-            inputs_col.append([format_placements(p) for p in strategies.inputs[k]])
+            output_col.append(text(strategies.outputs[k], format_strategy_output))
+            inputs_col.append([text(p, format_placements) for p in strategies.inputs[k]])
     return pa.table({
         "slist": pa.array(list_col, pa.int32()), "strategy": pa.array(strategy_col, pa.int32()),
         "output": pa.array(output_col).dictionary_encode(),
