@@ -481,6 +481,11 @@ def group_structure(topology: TopologyTables) -> GroupStructure:
                           edge_members, self_edges, len(e["producer"]))
 
 
+#: Below this many edge-table entries the group factors are built in one process (a
+#: fork costs tens of milliseconds; llama1b on 8x8 has ~5 M, the toy model ~0.1 M).
+PARALLEL_MIN_WORK = 1_000_000
+
+
 class FactorProvider:
     """Computes group unaries and group factors from a CostModel, memoised.
 
@@ -605,12 +610,97 @@ class FactorProvider:
         if ge == len(self.groups.edge_members) - 1:  # the solver offers in edge order
             runtime.release_free_memory()
 
-    def materialise_all(self) -> list[PairwiseFactor]:
-        """Every group factor, in group-edge order (eager costs); a progress bar on a
-        terminal (pipeline/progress.py)."""
+    def materialise_all(self, workers: int = 1) -> list[PairwiseFactor]:
+        """Every group factor, in group-edge order; a progress bar on a terminal
+        (pipeline/progress.py) when built in this process alone. ``workers`` > 1 builds
+        them in that many processes (:meth:`build_parallel`)."""
         edges = range(len(self.groups.edge_members))
+        if workers > 1:
+            self.build_parallel(workers, PARALLEL_MIN_WORK)
         with progress.bar(edges, desc="costs: factors", unit="factor") as bar:
             return [self.factor(e) for e in bar]
+
+    def work_chunks(self, parts: int) -> tuple[list[list[int]], float]:
+        """The unbuilt group factors split into at most ``parts`` chunks of about equal
+        work, for :meth:`build_parallel`, and the total work (table entries).
+
+        The redistribution planner's caches are per tensor rank (one
+        :class:`~pipeline.costmodel.redistribute.tables.TableContext` per mesh and
+        ndim): the pairs planned for one table are reused by every other table of that
+        rank. So the factors are grouped by the ranks of their member tensors (factors
+        with a rank in common in one group: union-find) and whole groups go to the
+        chunks, heaviest first; a factor's work is the size of its distinct member
+        edge tables."""
+        from pipeline.parallel import balanced_chunks
+
+        todo = [ge for ge in range(len(self.groups.edge_members)) if ge not in self._factors]
+        cm = self.cost_model
+        cls = cm.edge_classes() if cm.memoise else None
+        parent: dict[int, int] = {}
+
+        def root(k: int) -> int:
+            parent.setdefault(k, k)
+            while parent[k] != k:
+                parent[k] = parent[parent[k]]
+                k = parent[k]
+            return k
+
+        rank_of: dict[int, int] = {}  # factor -> one of its member tensors' ranks
+        work: dict[int, float] = {}
+        seen: set[int] = set()
+        for ge in todo:
+            for e, _ in self.groups.edge_members[ge]:
+                u, element, v, a = cm.edges[e]
+                ndim = len(cm.in_metas[v][a]["shape"])
+                if ge in rank_of:
+                    parent[root(ndim)] = root(rank_of[ge])
+                else:
+                    rank_of[ge] = ndim
+                    root(ndim)
+                key = int(cls[e]) if cls is not None else -1 - e
+                if key not in seen:
+                    seen.add(key)
+                    work[ge] = work.get(ge, 0.0) + float(
+                        len(cm.out_classes(u, element)[1]) * len(cm.in_classes(v, a)[1]))
+        groups: dict[int, list[int]] = {}
+        for ge in todo:
+            groups.setdefault(root(rank_of.get(ge, -1)), []).append(ge)
+        keys = sorted(groups, key=lambda r: groups[r][0])
+        weight = [sum(work.get(ge, 0.0) for ge in groups[r]) + 1.0 for r in keys]
+        chunks = balanced_chunks(weight, parts)
+        return ([sorted(ge for c in chunk for ge in groups[keys[c]]) for chunk in chunks],
+                float(sum(work.values())))
+
+    def build_parallel(self, workers: int, min_work: float = 0.0) -> None:
+        """Build every unbuilt group factor in ``workers`` processes (pipeline/parallel.py:
+        forked children inherit this provider); the tables are those :meth:`factor`
+        builds in this process (the same code on the same inputs). The counters add the
+        children's work; ``factor_seconds`` grows by the wall time."""
+        from pipeline.parallel import map_chunks
+
+        if workers <= 1:
+            return
+        chunks, work = self.work_chunks(workers)
+        if len(chunks) <= 1 or work < min_work:
+            return
+        start = time.perf_counter()
+        before = self.factor_seconds
+        stats = self.cost_model.stats
+
+        def build(chunk: list[int]) -> tuple[list[tuple[int, PairwiseFactor]], int, int]:
+            tables, factors = stats.edge_tables, stats.group_factors
+            built = [(ge, self.factor(ge)) for ge in chunk]
+            return built, stats.edge_tables - tables, stats.group_factors - factors
+
+        results = map_chunks(build, chunks)
+        for built, tables, factors in results[1:]:  # the first chunk ran here
+            for ge, f in built:
+                self._factors[ge] = f
+            stats.edge_tables += tables
+            stats.group_factors += factors
+        if self.cost_model.memoise and len(self._factors) == len(self.groups.edge_members):
+            self._release()
+        self.factor_seconds = before + time.perf_counter() - start
 
 
 # --------------------------------------------------------------------------- the stage
@@ -675,7 +765,7 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
               param_memory: dict[str, Any] | None = None, memory: Any = None,
               device_memory: tuple[int | None, str | None] = (None, None),
               collectives: Any = None,
-              fuse_pointwise: bool = False) -> Costs:
+              fuse_pointwise: bool = False, workers: int = 1) -> Costs:
     """The complete group MRF of a topology; lazy leaves pairwise factors to first use.
 
     ``param_memory``: ``constraints.param_memory`` as plain data (``{low, high}``), or
@@ -686,6 +776,7 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
     ``collectives``: the :class:`~pipeline.costmodel.fsdp.CollectiveOptions` (FSDP2
     buckets, re-gather, reduce dtype), or None for DTensor's one collective per tensor.
     ``fuse_pointwise``: the pointwise-fusion term (``costs.fuse_pointwise``).
+    ``workers``: processes that build the factors of eager costs (pipeline/parallel.py).
 
     Raises:
         PlanError: the pins leave the budget infeasible, or no allowed plan fits the
@@ -721,7 +812,7 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
         check_feasible(coef, allowed_unaries(mrf), model.limit, str(model.limit_text))
         mrf.linear_constraints = [*mrf.linear_constraints, memory_row(coef, model.limit)]
     if not lazy:
-        provider.materialise_all()
+        provider.materialise_all(workers)
     return Costs(mrf, budget, provider, topology, hw, memory=model, collectives=collectives,
                  fuse_pointwise=fuse_pointwise)
 
@@ -765,6 +856,13 @@ def fuse_pointwise_config(cfg: Any) -> bool:
     return bool(costs.get("fuse_pointwise", False)) if costs is not None else False
 
 
+def workers_config(cfg: Any) -> int:
+    """Processes for the independent parts of a stage (``workers``; 1 when absent)."""
+    from pipeline.parallel import resolve_workers
+
+    return resolve_workers(int(cfg.get("workers", 1)))
+
+
 def load_costs(cfg: Any, topology: TopologyTables, costs_dir: Path) -> Costs:
     """The costs of a run for the solve stage: eager, the MRF of ``factors.npz`` and the
     budget facts of ``costs.json``; lazy, :func:`build_mrf` (factors on first use)."""
@@ -805,7 +903,8 @@ def run_costs(cfg: Any, topology_dir: Path, out_dir: Path) -> None:
         start = time.perf_counter()
         costs = build_mrf(read_topology(Path(topology_dir)), hw, lazy=False,
                           param_memory=param_memory_config(cfg), **memory_config(cfg),
-                          fuse_pointwise=fuse_pointwise_config(cfg))
+                          fuse_pointwise=fuse_pointwise_config(cfg),
+                          workers=workers_config(cfg))
         provider = costs.factor_provider
         pairwise = [costs.mrf.factor(e) for e in range(costs.mrf.num_edges)]  # built above
         save_factors(FACTORS.path(out_dir), costs.mrf, pairwise)

@@ -306,6 +306,10 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     mrf, provider = costs.mrf, costs.factor_provider
     built_before = provider.factor_seconds if provider is not None else 0.0
     start = time.perf_counter()
+    if provider is not None:  # lazy costs: every factor is needed; build them in parallel
+        from pipeline.costs import PARALLEL_MIN_WORK, workers_config
+
+        provider.build_parallel(workers_config(cfg), PARALLEL_MIN_WORK)
     result, presolve, fit = _solve_fitting(cfg, costs, out_dir)
     if fit is not None:
         mrf = costs.mrf = dataclasses.replace(mrf, linear_constraints=fit.rows)

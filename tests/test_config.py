@@ -95,7 +95,7 @@ def test_defaults_and_config_yaml_agree_with_the_schema():
     cfg = load_config([])
     schema = OmegaConf.structured(Config)
     for key in ("mesh", "mesh_names", "lazy_costs", "repeated_layers", "optimality_check",
-                "results_dir", "experiment", "revision_label", "constraints"):
+                "results_dir", "experiment", "revision_label", "workers", "constraints"):
         assert cfg[key] == schema[key], key
     assert (cfg.model.name, cfg.hardware.name, cfg.solver.name) == ("llama1b", "h100", "approx")
 
@@ -199,7 +199,10 @@ BAD_CASES = [
      "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
      "optimizer, constraints, memory, fsdp, costs, mesh, mesh_names, lazy_costs, "
      "repeated_layers, recipe, optimality_check, results_dir, experiment, revision_label, "
-     "paper"),
+     "workers, paper"),
+    ("workers-negative", ["workers=-1"], ["workers=-1"],
+     "workers=-1: allowed 0 (one process per available CPU) or an integer >= 1 (1: no "
+     "worker processes)"),
     ("fuse-maybe", ["costs.fuse_pointwise=maybe"], ["overrides=costs.fuse_pointwise=maybe"],
      "costs.fuse_pointwise=maybe: allowed true, false"),
     ("costs-unknown", ["costs.fuse=1"], ["overrides=costs.fuse=1"],
@@ -455,6 +458,16 @@ def test_stage_overrides_of_trace_ignore_the_solver():
     assert stage_overrides(a, "solve") != stage_overrides(b, "solve")
 
 
+def test_stage_overrides_pass_workers_on_to_the_stages_that_fork():
+    cfg = load_resolved(["model=toy", "workers=1"])
+    assert "workers=1" not in stage_overrides(cfg, "trace")
+    for stage in ("topology", "costs", "solve"):
+        assert stage_overrides(cfg, stage)[-1] == "workers=1"
+        assert load_resolved(stage_overrides(cfg, stage)).workers == 1
+    assert not any(o.startswith("workers=") for o in stage_overrides(
+        load_resolved(["model=toy"]), "solve"))  # the default 0 is not repeated
+
+
 # --------------------------------------------------------------------------- keys and paths
 
 
@@ -504,6 +517,7 @@ def test_a_changed_value_gives_a_new_path_below_its_level_only():
     assert ilp.costs == lp.costs and ilp.solve != lp.solve
     label = _dirs(["model=toy", "revision_label=v1", "experiment=null"])
     assert label == base
+    assert _dirs(["model=toy", "workers=1"]) == base  # the same results for any workers
     unfused = _dirs(["model=toy", "costs.fuse_pointwise=false"])
     assert unfused.topology == base.topology and unfused.costs != base.costs
     assert _dirs(["model=toy", "costs.fuse_pointwise=true"]) == base  # the default

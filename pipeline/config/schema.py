@@ -193,6 +193,10 @@ class Config:
         results_dir: root of all results, relative to the working directory.
         experiment: name of the selected ``conf/experiment`` option (set by it).
         revision_label: recorded in place of the git revision when given.
+        workers: processes for the phases whose parts are independent (the DTensor
+            strategies of distinct ops, the pairwise group factors; pipeline/parallel.py):
+            ``0`` = one per CPU this process may use, ``1`` = all in this process. Not
+            part of any stage's key: the results are the same for every value.
         paper: run sets of the paper's tables and figures, see :class:`PaperConfig`.
     """
 
@@ -216,6 +220,7 @@ class Config:
     results_dir: str = "results"
     experiment: str | None = None
     revision_label: str | None = None
+    workers: int = 0
     paper: PaperConfig = field(default_factory=PaperConfig)
 
 

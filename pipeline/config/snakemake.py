@@ -50,6 +50,8 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
     if stage in ("costs", "solve") and cfg.solver.get("max_memory") is not None:
         # the size guard of the costs stage (in no key): passed on when set
         out.append(f"solver.max_memory={override_value(cfg.solver.max_memory)}")
+    if stage in ("topology", "costs", "solve") and cfg.get("workers", 0) != 0:
+        out.append(f"workers={int(cfg.workers)}")  # in no key: passed on when set
     return out
 
 
@@ -58,7 +60,7 @@ SNAKEMAKE_KEYS: tuple[str, ...] = ("model", "mesh", "mesh_names", "solver", "laz
                                    "hardware", "optimizer", "experiment", "repeated_layers",
                                    "recipe",
                                    "optimality_check", "results_dir", "revision_label",
-                                   "overrides")
+                                   "workers", "overrides")
 
 
 def _raw_overrides(value: Any, argv: Sequence[str] | None) -> Any:

@@ -338,6 +338,9 @@ def resolve(cfg: DictConfig) -> DictConfig:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _check_solver(out.solver)
+    if not (_is_int(out.workers) and out.workers >= 0):
+        raise ConfigError(f"workers={_shown(out.workers)}: allowed 0 (one process per "
+                          "available CPU) or an integer >= 1 (1: no worker processes)")
     lazy = out.lazy_costs
     if lazy is None:
         lazy = out.solver.name == "approx"

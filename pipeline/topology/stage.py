@@ -9,6 +9,7 @@ from typing import Any
 
 from pipeline import artifacts, runtime
 from pipeline.artifacts import GRAPH
+from pipeline.parallel import resolve_workers
 from pipeline.topology.artifacts import write_topology
 from pipeline.topology.groups import group_nodes
 from pipeline.topology.ir import IRNode, read_nodes
@@ -26,8 +27,8 @@ from pipeline.topology.strategies import StrategyEnumerator
 
 def build_topology(nodes: list[IRNode], mesh: Any, mesh_shape: tuple[int, ...],
                    mesh_names: tuple[str, ...], constraints: dict[str, Any],
-                   tie_repeated_layers: bool, tied_params: dict[str, str] | None = None
-                   ) -> Topology:
+                   tie_repeated_layers: bool, tied_params: dict[str, str] | None = None,
+                   workers: int = 1) -> Topology:
     """Build the placement problem from the decoded graph (see pipeline/topology/).
 
     ``constraints`` keys used here: ``inputs``, ``outputs`` and ``nodes`` (pins,
@@ -35,13 +36,15 @@ def build_topology(nodes: list[IRNode], mesh: Any, mesh_shape: tuple[int, ...],
     gradient sinks, default true). ``tie_repeated_layers`` ties the copies of each
     repeated layer (config ``repeated_layers``). ``tied_params``: ``{alias:
     parameter}`` of tied parameters (graph metadata), so a pin naming an alias pins the
-    one placeholder of the tensor. Raises TopologyError for a pin that matches nothing
-    or no strategy.
+    one placeholder of the tensor. ``workers``: processes that enumerate the DTensor
+    strategies of the distinct op signatures (:meth:`StrategyEnumerator.prefetch`).
+    Raises TopologyError for a pin that matches nothing or no strategy.
     """
     start = time.perf_counter()
     pin_spec = parse_pins(constraints, len(mesh_shape))
     enumerator = StrategyEnumerator(mesh, mesh_shape)
     table = StrategyTable()
+    enumerator.prefetch(nodes, workers)
     problem, fallback_ops = graph_problem_nodes(nodes, enumerator, table)
     strategies_seconds = time.perf_counter() - start
     add_output_sinks(nodes, problem, table, len(mesh_shape))
@@ -85,7 +88,8 @@ def run_topology(cfg: Any, trace_dir: Path, out_dir: Path) -> None:
         constraints["recipe"] = recipe_of(cfg)
         mesh = device_mesh(mesh_shape, mesh_names)
         topo = build_topology(nodes, mesh, mesh_shape, mesh_names, constraints,
-                              bool(cfg.repeated_layers), tied_params=tied)
+                              bool(cfg.repeated_layers), tied_params=tied,
+                              workers=resolve_workers(int(cfg.get("workers", 1))))
     write_topology(topo, Path(out_dir), {
         "stage": "topology", "tied_parameters": tied, "phase_seconds": timer.seconds,
         "peak_rss_bytes": runtime.peak_rss_bytes(), "git": runtime.git_revision()})

@@ -150,6 +150,44 @@ class StrategyEnumerator:
             self.placeholder_cache[key] = candidate_placements(shape, self.mesh_shape, partial)
         return self.placeholder_cache[key]
 
+    def prefetch(self, nodes: list[IRNode], workers: int, min_signatures: int = 32) -> None:
+        """Enumerate the strategies of the graph's distinct op signatures in ``workers``
+        processes (pipeline/parallel.py), into the memo :meth:`op_strategies` reads.
+
+        The distinct signatures (in graph order) are dealt round-robin to the workers;
+        each enumerates its share exactly as :meth:`op_strategies` would and sends the
+        lists back. Below ``min_signatures`` distinct signatures, or with one worker,
+        nothing happens (the graph walk enumerates them as it meets them)."""
+        from pipeline.parallel import map_chunks
+
+        if workers <= 1:
+            return
+        todo: dict[str, tuple[IRNode, list[dict]]] = {}
+        for n in nodes:
+            if n.kind != "call_function" or n.target == "getitem":
+                continue
+            metas = [nodes[r].outputs[0] for r in n.refs]
+            key = _signature(n, metas)
+            if key not in self.cache and key not in todo:
+                todo[key] = (n, metas)
+        if len(todo) < min_signatures:
+            return
+        items = list(todo.values())
+        start, before = time.perf_counter(), self.seconds
+
+        def enumerate_chunk(chunk: list[int]) -> list[tuple[str, StrategyList]]:
+            out = []
+            for k in chunk:
+                node, metas = items[k]
+                out.append((_signature(node, metas), self.op_strategies(node, metas)))
+            return out
+
+        chunks = [list(range(w, len(items), workers)) for w in range(workers)]
+        for part in map_chunks(enumerate_chunk, chunks)[1:]:  # the first chunk ran here
+            for key, strategies in part:
+                self.cache[key] = strategies
+        self.seconds = before + time.perf_counter() - start
+
     def op_strategies(self, node: IRNode, metas: list[dict]) -> StrategyList:
         """Strategies of a call_function node; ``metas`` are its tensor args' metadata."""
         text_key = None

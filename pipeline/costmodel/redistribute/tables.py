@@ -409,8 +409,10 @@ class TableContext:
         """[n_records, width] parts of every record with its runs of one collective over
         several mesh dims flattened (:func:`.flatten.flat_parts`): a step id, or ``~i``
         for flattened row ``i``; padded with the null step."""
-        n = len(self.records)
-        for k in range(len(self.flat_records), n):
+        n, done = len(self.records), len(self.flat_records)
+        if done == n and self._flat_array is not None:
+            return self._flat_array[:n]
+        for k in range(done, n):
             rec = self.records[k]
             if rec == (_ILLEGAL_STEP,) or len(rec) < 2:
                 self.flat_records.append(rec)
@@ -420,14 +422,20 @@ class TableContext:
                     ~self.flat_row_id(*run_row(rows, p, self.mesh_shape))
                     for p in flat_parts(rows)]
             self.flat_records.append(tuple(refs))
+        # extended in place as records are added (as :meth:`record_array`)
         arr = self._flat_array
-        if arr is None or len(arr) != n:
-            width = max(1, max((len(r) for r in self.flat_records), default=1))
-            arr = np.full((n, width), _NULL_STEP, dtype=np.int64)
-            for k, r in enumerate(self.flat_records):
-                arr[k, : len(r)] = r
-            self._flat_array = arr
-        return arr
+        width = max(1, max(len(r) for r in self.flat_records[done:]))
+        if arr is None or width > arr.shape[1] or n > len(arr):
+            old_width = 0 if arr is None else arr.shape[1]
+            cap = max(n, 2 * (0 if arr is None else len(arr)), 64)
+            grown = np.full((cap, max(width, old_width)), _NULL_STEP, dtype=np.int64)
+            if arr is not None:
+                grown[:done, :old_width] = arr[:done]
+            arr = self._flat_array = grown
+        for k in range(done, n):
+            r = self.flat_records[k]
+            arr[k, : len(r)] = r
+        return arr[:n]
 
     def uniform_matrix(self, si: np.ndarray, di: np.ndarray) -> np.ndarray:
         """[len(si), len(di)]: the flattened row of each pair that is uniform over two or
