@@ -300,16 +300,15 @@ def build_picture(solve_dir: Path | str) -> PlanPicture:
     Raises:
         FileNotFoundError: an artifact of the run is missing.
     """
-    import pyarrow.parquet as pq
 
     solve_dir = Path(solve_dir)
     record = json.loads(RUN.path(solve_dir).read_text())
     names = tuple(record["mesh_names"])
-    graph = pq.read_table(GRAPH.path(find_trace_dir(solve_dir)),
+    graph = runtime.read_parquet(GRAPH.path(find_trace_dir(solve_dir)),
                           columns=["idx", "outputs", "args", "kwargs", "module_path",
                                    "fqn", "role"]).to_pylist()
     by_idx = {g["idx"]: g for g in graph}
-    solution = pq.read_table(SOLUTION.path(solve_dir),
+    solution = runtime.read_parquet(SOLUTION.path(solve_dir),
                              columns=["node", "name", "op", "layer", "role", "phase",
                                       "output_placement", "compute_us"]).to_pylist()
     solution.sort(key=lambda r: r["node"])
@@ -328,7 +327,7 @@ def build_picture(solve_dir: Path | str) -> PlanPicture:
             params[r["node"]] = TensorView(str(g.get("fqn") or r["name"]), shape, dtype,
                                            r["output_placement"])
     redist: dict[int, list[Redistribution]] = {}
-    for x in pq.read_table(REDISTRIBUTIONS.path(solve_dir)).to_pylist():
+    for x in runtime.read_parquet(REDISTRIBUTIONS.path(solve_dir)).to_pylist():
         source = params.get(x["producer"])
         redist.setdefault(x["consumer"], []).append(Redistribution(
             producer=source.name if source is not None else x["producer_name"],
@@ -436,10 +435,9 @@ def _column(blocks: Sequence[tuple[str, Sequence[Step]]],
 
 def draw(pic: PlanPicture, png: Path, svg: Path | None = None) -> None:
     """Render the picture into ``png`` (and ``svg``), written atomically."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a bare Figure (no pyplot: its import and global figure manager are not needed to
+    # write a file; savefig renders with Agg)
+    from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
     names = pic.mesh_names
@@ -454,7 +452,7 @@ def draw(pic: PlanPicture, png: Path, svg: Path | None = None) -> None:
     side = _side_panel(pic)
     n = max(len(fwd), len(bwd), len(side), 10)
     line_in = 0.19
-    fig = plt.figure(figsize=(20, 0.9 + n * line_in))
+    fig = Figure(figsize=(20, 0.9 + n * line_in))
     ax = fig.add_axes((0, 0, 1, 1))
     ax.set_xlim(0, 1)
     ax.set_ylim(n + 3, -2.2)
@@ -476,7 +474,6 @@ def draw(pic: PlanPicture, png: Path, svg: Path | None = None) -> None:
     if svg is not None:
         with runtime.atomic_path(svg) as tmp:
             fig.savefig(tmp, format="svg")
-    plt.close(fig)
 
 
 def _draw_column(ax: Any, patch: Any, x0: float, width: float,

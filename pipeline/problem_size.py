@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline import runtime
 from pipeline.artifacts import EDGES, NODES, STRATEGIES
 from pipeline.errors import PlanError
 
@@ -99,14 +100,13 @@ def estimate(topology_dir: Path | str) -> ProblemSize:
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
-    import pyarrow.parquet as pq
 
     directory = Path(topology_dir)
-    nodes = pq.read_table(NODES.path(directory),
+    nodes = runtime.read_parquet(NODES.path(directory),
                           columns=["id", "slist", "group", "num_strategies"]).to_pydict()
-    strategies = pq.read_table(STRATEGIES.path(directory), columns=["slist", "output",
+    strategies = runtime.read_parquet(STRATEGIES.path(directory), columns=["slist", "output",
                                                                     "inputs"])
-    edges = pq.read_table(EDGES.path(directory)).to_pydict()
+    edges = runtime.read_parquet(EDGES.path(directory)).to_pydict()
 
     # Row classes per (strategy list, output element); a tuple output is "(A|B|-)".
     outputs = strategies["output"].to_pylist()

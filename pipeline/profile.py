@@ -166,11 +166,10 @@ def expanded_config(cfg: Any) -> dict[str, Any]:
 
 def solution_detail(solve_dir: Path) -> list[dict[str, Any]]:
     """One entry per graph node of ``solution.parquet`` (graph order)."""
-    import pyarrow.parquet as pq
 
     from pipeline.artifacts import SOLUTION
 
-    rows = pq.read_table(SOLUTION.path(solve_dir)).to_pylist()
+    rows = runtime.read_parquet(SOLUTION.path(solve_dir)).to_pylist()
     for row in rows:
         row.pop("run_id", None)
     return rows

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline import artifacts, runtime
 from pipeline.artifacts import (  # noqa: F401 - file names, re-exported
@@ -107,9 +106,9 @@ def record_problem(path: Path) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"objective={obj} is below its own lower_bound={bound}"
     solution = path.parent / SOLUTION.name
     try:
-        table = pq.read_table(solution, columns=["node", "name", "output_placement",
+        table = runtime.read_parquet(solution, columns=["node", "name", "output_placement",
                                                  "input_placements"]).sort_by("node")
-        pq.read_table(path.parent / REDISTRIBUTIONS.name)
+        runtime.read_parquet(path.parent / REDISTRIBUTIONS.name)
     except (OSError, pa.ArrowException) as err:
         return None, f"its tables are unreadable ({type(err).__name__}: " \
                      f"{str(err).splitlines()[0] if str(err) else ''})"
@@ -250,7 +249,7 @@ def run_report(results_dir: Path) -> None:
 
 def _union(run_dirs: list[Path], name: str) -> pa.Table:
     """Every run's ``name`` table, concatenated in run-directory order."""
-    parts = [pq.read_table(d / name).replace_schema_metadata(None)
+    parts = [runtime.read_parquet(d / name).replace_schema_metadata(None)
              for d in run_dirs if (d / name).exists()]
     return pa.concat_tables(parts, promote_options="default") if parts else pa.table({})
 

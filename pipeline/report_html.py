@@ -170,10 +170,9 @@ def markdown_page(text: str, title: str) -> str:
 
 def write_runs_page(runs_parquet: Path | str, out: Path | str) -> Path:
     """Write :func:`runs_page` of ``runs_parquet`` to ``out`` (atomically)."""
-    import pyarrow.parquet as pq
 
     try:
-        rows = pq.read_table(runs_parquet).to_pylist()
+        rows = runtime.read_parquet(runs_parquet).to_pylist()
     except (OSError, ValueError) as err:
         raise PageError(f"runs={runs_parquet}: not a readable runs.parquet "
                         f"({' '.join(str(err).split())})") from err

@@ -422,8 +422,7 @@ def run_trace(cfg: Any, out_dir: Path) -> None:
 
 def read_graph(trace_dir: Path) -> tuple[pa.Table, dict]:
     """Read the graph IR and its stage metadata."""
-    import pyarrow.parquet as pq
 
-    table = pq.read_table(Path(trace_dir) / GRAPH_FILE)
+    table = runtime.read_parquet(Path(trace_dir) / GRAPH_FILE)
     meta = json.loads((table.schema.metadata or {}).get(b"pipeline", b"{}"))
     return table, meta

@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline import runtime
 from pipeline.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -363,11 +364,10 @@ def planned_collectives(plan: Any) -> tuple[dict[str, int], str]:
     ``redistributions.parquet`` beside the plan (the run's table, one entry per
     redistribution step, as DTensor issues them: :func:`dtensor_collectives`) when it
     belongs to the same run, else the plan's own summary."""
-    import pyarrow.parquet as pq
 
     table_path = Path(plan.path).parent / "redistributions.parquet"
     if table_path.exists():
-        table = pq.read_table(table_path)
+        table = runtime.read_parquet(table_path)
         meta = json.loads((table.schema.metadata or {}).get(b"pipeline", b"{}"))
         if meta.get("run_id") == plan.run_id:
             counts: dict[str, int] = {}

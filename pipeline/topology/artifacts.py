@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from pipeline import runtime
 from pipeline.artifacts import EDGES_FILE, NODES_FILE, STRATEGIES_FILE, TOPOLOGY_FILE
@@ -143,8 +142,8 @@ def read_topology(topology_dir: Path) -> TopologyTables:
     """Load the topology artifacts written by :func:`write_topology`."""
     d = Path(topology_dir)
     summary = json.loads((d / TOPOLOGY_FILE).read_text())
-    nodes = pq.read_table(d / NODES_FILE).to_pydict()
-    strategies = pq.read_table(d / STRATEGIES_FILE)
+    nodes = runtime.read_parquet(d / NODES_FILE).to_pydict()
+    strategies = runtime.read_parquet(d / STRATEGIES_FILE)
     list_index = strategies.column("slist").to_numpy()
     outputs = strategies.column("output").to_pylist()
     inputs = strategies.column("inputs").to_pylist()
@@ -154,5 +153,5 @@ def read_topology(topology_dir: Path) -> TopologyTables:
     for s, o, i in zip(list_index.tolist(), outputs, inputs):
         slist_outputs[s].append(o)
         slist_inputs[s].append(i)
-    edges = pq.read_table(d / EDGES_FILE).to_pydict()
+    edges = runtime.read_parquet(d / EDGES_FILE).to_pydict()
     return TopologyTables(summary, nodes, slist_outputs, slist_inputs, edges)
