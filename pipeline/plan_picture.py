@@ -472,7 +472,11 @@ def draw(pic: PlanPicture, png: Path, svg: Path | None = None) -> None:
     with runtime.atomic_path(png) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     if svg is not None:
-        with runtime.atomic_path(svg) as tmp:
+        import matplotlib
+
+        # text as SVG <text> elements (selectable, and ~10x faster to write than the
+        # default glyph outlines of every character of this text-heavy picture)
+        with runtime.atomic_path(svg) as tmp, matplotlib.rc_context({"svg.fonttype": "none"}):
             fig.savefig(tmp, format="svg")
 
 
