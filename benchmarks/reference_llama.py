@@ -8,16 +8,24 @@ project's: it imports ``autoparallel`` and nothing of ``pipeline``.
 
 What it does, as the reference's own example (``examples/example_llama3.py``) and its
 tests do: a fake process group (``"fake"`` backend, world size = product of the mesh),
-a ``"cuda"`` device mesh with the CUDA device queries patched (no GPU is touched; the
-same patches as the reference's ``tests/conftest.py``), the model built on the meta
-device, ``MixedPrecisionPolicy(bf16 params, fp32 reduce)``, ``repeated_subgraphs=True``,
-the parameter-memory bound ``(0, 1 / world)`` and the input placement ``S(0)`` on the
-first mesh dim, ``R`` on the others (the project's defaults too). The solver is chosen
+the model built on the meta device, ``MixedPrecisionPolicy(bf16 params, fp32 reduce)``,
+``repeated_subgraphs=True``, the parameter-memory bound ``(0, 1 / world)`` and the input
+placement ``S(0)`` on the first mesh dim, ``R`` on the others (the project's defaults too;
+outputs unconstrained unless ``--outputs``). The solver is chosen
 the way ``autoparallel/api.py`` does it at this commit: ``AutoParallel(...,
 solver="approx")`` builds the light optimizer (no PuLP variables) and
 ``optimize_placement()`` runs ``ApproximateShardingSolver`` (TRW-S, then local-search
 polish) with its default options. Cost building uses the reference's default fork
 workers (``AP_PARALLEL_BUILD``, default ``min(32, cpu_count)``).
+
+Device: the reference's example and tests use a ``"cuda"`` mesh; a CPU-only torch build
+cannot take ``cuda`` fake tensors through autograd, so the mesh is ``"cpu"`` and the
+device queries are answered as for an H100 (the patches of the reference's
+``tests/conftest.py``, plus ``torch.cpu.get_device_name``, which the compute model asks
+on a CPU build): the cost model is the H100 / NCCL one a GPU run uses. The attention
+calls ``aten._scaled_dot_product_flash_attention`` directly, as a GPU run traces it and
+as the project's model does (``--attention cpu``: the model's own SDPA, which on a CPU
+build traces the CPU kernel, a replicate-only op for the reference).
 
 Mesh dim names: ``dp`` (1-D), ``dp,tp`` (2-D), ``dp,cp,tp`` (3-D), as the project names
 them and as the reference's deleted approx benchmark named them.
@@ -117,17 +125,15 @@ def _jsonable(obj: Any) -> Any:
 def run(mesh_shape: tuple[int, ...], n_layers: int, outputs: str, attention: str
         ) -> dict[str, Any]:
     phases: dict[str, float] = {}
-    t = time.perf_counter()
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    from torch.distributed.tensor.placement_types import Replicate, Shard
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     import autoparallel._testing.models.llama3 as llama3
     import autoparallel.approximate_sharding as approx_mod
+    import torch
     from autoparallel._testing.models.llama3 import Transformer, TransformerModelArgs
     from autoparallel.api import AutoParallel
     from autoparallel.optimize_sharding import _PARALLEL_BUILD_WORKERS
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
     phases["import"] = time.perf_counter() - _T0
 
     records = _Records()
