@@ -6,8 +6,9 @@
 
 Stages trace -> topology -> costs -> solve run in order, each reusing its artifact
 when it is current (see :func:`pipeline.cli.run_stage`), then the report over all
-runs under ``results_dir``. Every override of every job of a sweep is validated
-before anything runs: a bad value prints one line on stderr and exits with 2.
+runs under ``results_dir`` (a sweep writes it once, after its last job). Every
+override of every job of a sweep is validated before anything runs: a bad value prints
+one line on stderr and exits with 2.
 Hydra writes nothing on a single run; a multirun writes only its ``multirun.yaml``
 under ``<results_dir>/hydra/multirun/``.
 """
@@ -38,7 +39,7 @@ from pipeline.runtime import PhaseTimer
 log = logging.getLogger("pipeline")
 
 
-def run_pipeline(cfg: DictConfig, force: bool = False) -> PhaseTimer:
+def run_pipeline(cfg: DictConfig, force: bool = False, report: bool = True) -> PhaseTimer:
     """Run every stage for a *resolved* config; return the wall time of each phase.
 
     A stage whose artifact is current is reused (unless ``force``: every stage runs).
@@ -46,21 +47,46 @@ def run_pipeline(cfg: DictConfig, force: bool = False) -> PhaseTimer:
     older than their input (:func:`pipeline.cli.run_stage` compares modification times,
     as Snakemake does) -- unless another process running the same config has already
     remade them from the new input meanwhile: then they are current and reused, so two
-    processes of one config run each stage once. The report always runs.
+    processes of one config run each stage once. The report always runs, unless
+    ``report`` is false (a job of a sweep: the sweep writes one report at its end).
     """
     dirs = stage_dirs(cfg)
     timer = PhaseTimer()
     done = []
     with timer.phase("wall"):
-        for stage in STAGES:
+        for stage in STAGES if report else [s for s in STAGES if s != "report"]:
             with timer.phase(PHASES[stage]):
                 ran = run_stage(stage, cfg, dirs, force=force and stage != "report")
             done.append(f"{stage} {timer.seconds[PHASES[stage]]:.2f} s"
                         + ("" if ran else " (reused)"))
     log.info("stages: %s; wall %.2f s", ", ".join(done), timer.seconds["wall"])
     print(f"run record: {sentinel(dirs, 'solve')}")
-    print(f"report: {dirs.report}")
+    if report:
+        print(f"report: {dirs.report}")
     return timer
+
+
+def _is_multirun() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def report_once(jobs: Sequence[DictConfig]) -> None:
+    """The report stage of a sweep, once per results directory after its jobs (resolved
+    configs): the report reads every run under the directory, so one report at the end
+    is the one a report per job would leave, without rereading (and redrawing) the
+    earlier runs for every job."""
+    first: dict[str, DictConfig] = {}
+    for c in jobs:
+        first.setdefault(str(c.results_dir), c)
+    for cfg in first.values():
+        timer = PhaseTimer()
+        with timer.phase("report"):
+            run_stage("report", cfg, stage_dirs(cfg))
+        log.info("report of the sweep: %.2f s", timer.seconds["report"])
+        print(f"report: {stage_dirs(cfg).report}")
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -74,16 +100,17 @@ def _hydra_task(cfg: DictConfig) -> None:
     from pipeline.cli import USER_ERRORS
 
     try:
-        run_pipeline(resolved)
+        run_pipeline(resolved, report=not _is_multirun())
     except USER_ERRORS as err:
         print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
         sys.exit(2)
 
 
-def _prevalidate(argv: Sequence[str]) -> list[str]:
+def _prevalidate(argv: Sequence[str]) -> tuple[list[str], list[DictConfig]]:
     """Normalise the overrides in ``argv`` and validate every job they describe.
 
-    Returns the argument list to hand to Hydra.
+    Returns the argument list to hand to Hydra and, for a sweep, the resolved config of
+    every job (empty otherwise: a single run writes its own report).
 
     Raises:
         ConfigError: one line, for the first bad value of any job.
@@ -98,26 +125,34 @@ def _prevalidate(argv: Sequence[str]) -> list[str]:
     informational = (args.help or args.hydra_help or args.cfg or args.shell_completion
                      or args.info is not None or args.config_name or args.config_dir
                      or args.config_path or args.experimental_rerun)
+    jobs: list[DictConfig] = []
     if not informational:
         from pipeline.cli import preflight_trace
 
         for job in (sweep_overrides(overrides) if args.multirun else [overrides]):
-            preflight_trace(load_resolved(job))
-    return new_argv
+            cfg = load_resolved(job)
+            preflight_trace(cfg)
+            if args.multirun:
+                jobs.append(cfg)
+    return new_argv, jobs
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m pipeline``; exits 2 on a bad configuration."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        new_argv = _prevalidate(argv)
+        new_argv, sweep_jobs = _prevalidate(argv)
     except ConfigError as err:
         print(err, file=sys.stderr)
         sys.exit(2)
     register_configs()
     configure_logging()
     sys.argv = [sys.argv[0], *new_argv]
-    _hydra_task()
+    try:
+        _hydra_task()
+    finally:  # also after a failed job: the report of the runs the sweep made
+        if sweep_jobs and sys.exc_info()[0] is not KeyboardInterrupt:
+            report_once(sweep_jobs)
 
 
 if __name__ == "__main__":
