@@ -142,3 +142,30 @@ def test_prefetch_fills_the_memo_with_the_serial_strategies(toy_graph: object) -
     for key, strategies in serial.cache.items():
         assert text(forked.cache[key]) == text(strategies)
         assert forked.cache[key].fallback == strategies.fallback
+
+
+def test_a_mask_partial_survives_the_way_back_from_a_worker() -> None:
+    # pickling a _MaskPartial keeps only its reduce op (its C++ base pickles that alone);
+    # the prefetch sends it as its fields and restores it, shared buffers shared again
+    import pickle
+
+    import torch
+    from torch.distributed.tensor.placement_types import MaskBuffer, Replicate, _MaskPartial
+
+    from pipeline.topology.strategies import StrategyList, _portable, _restored
+
+    buf = MaskBuffer()
+    mp = _MaskPartial("sum", buf, torch.Size([1024, 256]), 0)
+    lost = pickle.loads(pickle.dumps(mp))
+    assert lost.offset_shape is None or not hasattr(lost, "mask_buffer")  # why it is needed
+    other = _MaskPartial("max", MaskBuffer(), torch.Size([8, 4]), 1)
+    sl = StrategyList(outputs=((Replicate(), mp), (other, Replicate())),
+                      inputs=(((Replicate(), mp),), ((Replicate(), other),)))
+    back = _restored(pickle.loads(pickle.dumps(_portable(sl, {}))), {})
+    (o0, o1), (i0, i1) = back.outputs, back.inputs
+    assert o0[1] == i0[0][1] and o0[1] is not mp  # one buffer for both, a new one
+    assert o1[0] == i1[0][1]
+    assert (o0[1].reduce_op, tuple(o0[1].offset_shape), o0[1].offset_dim) == ("sum", (1024, 256), 0)
+    assert (o1[0].reduce_op, tuple(o1[0].offset_shape), o1[0].offset_dim) == ("max", (8, 4), 1)
+    assert o1[0] != o0[1] and hash(o1[0]) != hash(o0[1])
+    assert back.fallback is False and o0[0] == Replicate()

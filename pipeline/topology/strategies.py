@@ -175,17 +175,23 @@ class StrategyEnumerator:
         items = list(todo.values())
         start, before = time.perf_counter(), self.seconds
 
-        def enumerate_chunk(chunk: list[int]) -> list[tuple[str, StrategyList]]:
-            out = []
-            for k in chunk:
+        def enumerate_chunk(chunk: tuple[int, range]) -> list[tuple[str, Any]]:
+            worker, indices = chunk
+            out: list[tuple[str, Any]] = []
+            buffers: dict[int, int] = {}
+            for k in indices:
                 node, metas = items[k]
-                out.append((_signature(node, metas), self.op_strategies(node, metas)))
+                strategies = self.op_strategies(node, metas)
+                # a worker's lists are pickled on the way back: _MaskPartial as fields
+                out.append((_signature(node, metas),
+                            _portable(strategies, buffers) if worker else strategies))
             return out
 
-        chunks = [list(range(w, len(items), workers)) for w in range(workers)]
+        chunks = [(w, range(w, len(items), workers)) for w in range(workers)]
         for part in map_chunks(enumerate_chunk, chunks)[1:]:  # the first chunk ran here
+            buffers: dict[int, Any] = {}
             for key, strategies in part:
-                self.cache[key] = strategies
+                self.cache[key] = _restored(strategies, buffers)
         self.seconds = before + time.perf_counter() - start
 
     def op_strategies(self, node: IRNode, metas: list[dict]) -> StrategyList:
@@ -526,6 +532,58 @@ def _without_dtensor_costs() -> Iterator[None]:
     finally:
         for m in patched:
             m.generate_redistribute_costs = original
+
+
+@dataclass(frozen=True)
+class _PortableMask:
+    """A ``_MaskPartial`` on its way from a worker process: pickling the placement keeps
+    neither its mask buffer nor its offset (its C++ base class pickles only the reduce
+    op), so it travels as its fields, the buffer as a number that is the same for the
+    placements that shared one."""
+
+    reduce_op: str
+    offset_shape: tuple[int, ...] | None
+    offset_dim: int
+    buffer: int
+
+
+def _portable(obj: Any, buffers: dict[int, int]) -> Any:
+    """``obj`` (a StrategyList, tuples, placements) with every ``_MaskPartial`` as a
+    :class:`_PortableMask` (``buffers``: ``id`` of a mask buffer -> its number)."""
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    if isinstance(obj, StrategyList):
+        return StrategyList(_portable(obj.outputs, buffers), _portable(obj.inputs, buffers),
+                            obj.fallback)
+    if isinstance(obj, tuple):
+        return tuple(_portable(x, buffers) for x in obj)
+    if isinstance(obj, list):
+        return [_portable(x, buffers) for x in obj]
+    if isinstance(obj, _MaskPartial):
+        shape = None if obj.offset_shape is None else tuple(int(s) for s in obj.offset_shape)
+        number = buffers.setdefault(id(obj.mask_buffer), len(buffers))
+        return _PortableMask(obj.reduce_op, shape, int(obj.offset_dim), number)
+    return obj
+
+
+def _restored(obj: Any, buffers: dict[int, Any]) -> Any:
+    """The inverse of :func:`_portable`: each :class:`_PortableMask` a ``_MaskPartial``
+    again, one new mask buffer per buffer number (``buffers``)."""
+    import torch
+    from torch.distributed.tensor.placement_types import MaskBuffer, _MaskPartial
+
+    if isinstance(obj, StrategyList):
+        return StrategyList(_restored(obj.outputs, buffers), _restored(obj.inputs, buffers),
+                            obj.fallback)
+    if isinstance(obj, tuple):
+        return tuple(_restored(x, buffers) for x in obj)
+    if isinstance(obj, list):
+        return [_restored(x, buffers) for x in obj]
+    if isinstance(obj, _PortableMask):
+        buffer = buffers.setdefault(obj.buffer, MaskBuffer())
+        shape = None if obj.offset_shape is None else torch.Size(obj.offset_shape)
+        return _MaskPartial(obj.reduce_op, buffer, shape, obj.offset_dim)
+    return obj
 
 
 def _signature(node: IRNode, metas: list[dict]) -> str:
