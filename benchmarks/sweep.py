@@ -1,6 +1,6 @@
 """Time a Hydra sweep over one cached trace: meshes x solvers x cost modes of llama1b.
 
-    python benchmarks/sweep.py [--results DIR] [--meshes 8,16,2x8,4x4,8x8]
+    python benchmarks/sweep.py [--results DIR] [--meshes 8,16,2x8,4x4,8x8] [--model llama1b]
 
 1. ``python -m pipeline model=llama1b mesh=<first mesh>`` makes the trace (timed on its
    own; skipped when ``DIR`` already holds a current one).
@@ -74,11 +74,12 @@ def main() -> None:
     ap.add_argument("--results", type=Path, default=None,
                     help="results directory (default: a new temporary one)")
     ap.add_argument("--meshes", default="8,16,2x8,4x4,8x8", help="comma list of meshes")
+    ap.add_argument("--model", default="llama1b", help="model option (conf/model)")
     args = ap.parse_args()
     results = args.results or Path(tempfile.mkdtemp(prefix="sweep-"))
     results.mkdir(parents=True, exist_ok=True)
     meshes = args.meshes.split(",")
-    common = ["model=llama1b", f"results_dir={results.resolve()}"]
+    common = [f"model={args.model}", f"results_dir={results.resolve()}"]
     trace_wall, _ = run([*common, f"mesh={meshes[0]}"], ROOT)
     sweeps = [[*common, f"mesh={','.join(meshes)}", "solver=approx", "lazy_costs=true,false"],
               [*common, f"mesh={','.join(meshes)}", "solver=ilp,lp"]]

@@ -139,3 +139,29 @@ def test_bad_arguments_exit_2_and_write_nothing(
     err = capsys.readouterr().err.strip()
     assert err.startswith(key) and "allowed" in err and "\n" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_sweep_points_pair_each_jobs_log_line_with_its_run_record(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("sweep", ROOT / "benchmarks" / "sweep.py")
+    assert spec is not None and spec.loader is not None
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    for name, mesh, solver, mode in (("a", "8", "approx", "lazy"),
+                                     ("b", "2x4", "ilp", "eager")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(
+            f'{{"mesh": "{mesh}", "solver": "{solver}", "cost_mode": "{mode}"}}')
+    log = "\n".join([
+        "12:00:00 pipeline INFO: stages: trace 0.01 s (reused), topology 0.50 s, "
+        "costs 0.10 s, solve 0.40 s; wall 1.05 s",
+        "run record: a/run.json",
+        "12:00:01 pipeline.cli INFO: topology: running in x",
+        "12:00:02 pipeline INFO: stages: trace 0.00 s (reused), topology 0.00 s (reused), "
+        "costs 2.00 s, solve 3.25 s; wall 5.30 s",
+        "run record: b/run.json",
+        "12:00:03 pipeline INFO: report of the sweep: 2.50 s"])
+    points = sweep.points(log, tmp_path)
+    assert [(p, w) for p, w, _ in points] == [("mesh=8 solver=approx lazy", 1.05),
+                                             ("mesh=2x4 solver=ilp eager", 5.30)]
+    assert points[1][2].startswith("trace 0.00 s (reused)")
+    assert [float(m["s"]) for m in sweep.REPORT_RE.finditer(log)] == [2.5]
