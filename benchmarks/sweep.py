@@ -2,8 +2,8 @@
 
     python benchmarks/sweep.py [--results DIR] [--meshes 8,16,2x8,4x4,8x8] [--model llama1b]
 
-1. ``python -m pipeline model=llama1b mesh=<first mesh>`` makes the trace (timed on its
-   own; skipped when ``DIR`` already holds a current one).
+1. ``python -m pipeline.cli trace model=llama1b`` makes the trace (the trace stage
+   alone, timed on its own; reused when ``DIR`` already holds a current one).
 2. Two sweeps, each one ``python -m pipeline -m`` process (ILP and LP need eager costs,
    so they cannot share the approx sweep's ``lazy_costs`` axis):
    ``mesh=<meshes> solver=approx lazy_costs=true,false`` and
@@ -34,17 +34,17 @@ REPORT_RE = re.compile(r"report of the sweep: (?P<s>[\d.]+) s")
 RECORD_RE = re.compile(r"^run record: (?P<path>\S+)$")
 
 
-def run(args: list[str], cwd: Path) -> tuple[float, str]:
-    """Run ``python -m pipeline args`` in ``cwd``; (wall seconds, its output: stderr and
+def run(args: list[str], cwd: Path, module: str = "pipeline") -> tuple[float, str]:
+    """Run ``python -m <module> args`` in ``cwd``; (wall seconds, its output: stderr and
     stdout in one stream, unbuffered, so each job's log line precedes its record line)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=cwd, env=env,
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           check=False)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        sys.exit(f"python -m pipeline {' '.join(args)} failed ({proc.returncode}):\n"
+        sys.exit(f"python -m {module} {' '.join(args)} failed ({proc.returncode}):\n"
                  + proc.stdout[-2000:])
     return wall, proc.stdout
 
@@ -80,7 +80,7 @@ def main() -> None:
     results.mkdir(parents=True, exist_ok=True)
     meshes = args.meshes.split(",")
     common = [f"model={args.model}", f"results_dir={results.resolve()}"]
-    trace_wall, _ = run([*common, f"mesh={meshes[0]}"], ROOT)
+    trace_wall, _ = run(["trace", *common, f"mesh={meshes[0]}"], ROOT, "pipeline.cli")
     sweeps = [[*common, f"mesh={','.join(meshes)}", "solver=approx", "lazy_costs=true,false"],
               [*common, f"mesh={','.join(meshes)}", "solver=ilp,lp"]]
     rows, walls, reports = [], [], []
