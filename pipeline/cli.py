@@ -226,9 +226,10 @@ def _call_stage(stage: str, cfg: DictConfig, dirs: StageDirs) -> None:
 
         run_solve(cfg, dirs)
     elif stage == "report":
+        from pipeline.costs import workers_config
         from pipeline.report import run_report
 
-        run_report(Path(cfg.results_dir))
+        run_report(Path(cfg.results_dir), workers=workers_config(cfg))
     else:
         raise ValueError(f"stage={stage}: allowed {', '.join(STAGES)}")
 

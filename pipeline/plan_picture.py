@@ -581,20 +581,33 @@ def drawable(solve_dir: Path) -> bool:
 
 
 def draw_plan_pictures(results_dir: Path | str,
-                       solve_dirs: Sequence[Path] | None = None) -> list[Path]:
+                       solve_dirs: Sequence[Path] | None = None, workers: int = 1) -> list[Path]:
     """The report step's hook: draw the picture of every run under
     ``results_dir/runs`` (or of the runs ``solve_dirs``: the report passes the ones it
-    trusts) whose picture is not current; the solve directories drawn."""
-    drawn = []
+    trusts) whose picture is not current; the solve directories drawn. ``workers`` > 1
+    draws them in that many processes (pipeline/parallel.py; each picture is written
+    atomically by the process drawing it)."""
+    from pipeline.parallel import map_chunks
+
     if solve_dirs is None:
         solve_dirs = [r.parent for r in sorted(Path(results_dir, "runs").glob(f"**/{RUN.name}"))]
+    todo = []
     for solve_dir in solve_dirs:
         solve_dir = Path(solve_dir)
         if not drawable(solve_dir):
             log.info("plan picture: %s lacks the run's tables or trace; not drawn", solve_dir)
-            continue
-        if ensure_plan_picture(solve_dir):
-            drawn.append(solve_dir)
+        elif not is_current(solve_dir):
+            todo.append(solve_dir)
+    parts = max(1, min(int(workers), len(todo)))
+
+    def draw_chunk(chunk: list[Path]) -> list[Path]:
+        for solve_dir in chunk:
+            write_plan_picture(solve_dir)
+        return chunk
+
+    chunks = [todo[k::parts] for k in range(parts)] if todo else []
+    drawn = sorted((d for part in map_chunks(draw_chunk, chunks) for d in part),
+                   key=todo.index)
     if drawn:
         log.info("plan picture: drew %d run(s)", len(drawn))
     return drawn

@@ -217,7 +217,7 @@ def _recipe_table(rows: list[dict[str, Any]]) -> pa.Table:
     return pa.table(cols)
 
 
-def run_report(results_dir: Path) -> None:
+def run_report(results_dir: Path, workers: int = 1) -> None:
     """Write ``report/runs.parquet``, ``report/placements.parquet``,
     ``report/redistributions.parquet`` and ``report/recipes.parquet`` atomically
     (``runs.parquet``, the sentinel, last) over the trustworthy runs (:func:`trusted_runs`);
@@ -240,7 +240,7 @@ def run_report(results_dir: Path) -> None:
     artifacts.write_table(RECIPES, out, _recipe_table(recipes), metadata={"rows": len(recipes)})
     from pipeline.plan_picture import draw_plan_pictures  # each run's plan.png / plan.svg
 
-    draw_plan_pictures(results_dir, run_dirs)
+    draw_plan_pictures(results_dir, run_dirs, workers=workers)
     artifacts.write_table(RUNS, out, table, metadata={
         "runs": len(rows), "git": runtime.git_revision()})
     log.info("report: %d runs, %d placement rows, %d redistribution rows -> %s", len(rows),

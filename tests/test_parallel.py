@@ -169,3 +169,22 @@ def test_a_mask_partial_survives_the_way_back_from_a_worker() -> None:
     assert (o1[0].reduce_op, tuple(o1[0].offset_shape), o1[0].offset_dim) == ("max", (8, 4), 1)
     assert o1[0] != o0[1] and hash(o1[0]) != hash(o0[1])
     assert back.fallback is False and o0[0] == Replicate()
+
+
+PICTURE_RUNS = (("mesh=8", "lazy_costs=true"), ("mesh=2x4", "lazy_costs=true"))
+
+
+@pytest.mark.toy_runs(*PICTURE_RUNS)
+def test_plan_pictures_drawn_in_two_processes(toy_results: object, tmp_path: Path) -> None:
+    from pipeline.artifacts import PLAN_PICTURE, PLAN_SVG
+    from pipeline.plan_picture import draw_plan_pictures, is_current
+
+    solve_dirs = [Path(toy_results.copy_run(tmp_path / "results", *r).solve)
+                  for r in PICTURE_RUNS]
+    for d in solve_dirs:
+        for a in (PLAN_PICTURE, PLAN_SVG):
+            a.path(d).unlink(missing_ok=True)
+    drawn = draw_plan_pictures(tmp_path / "results", solve_dirs, workers=2)
+    assert drawn == solve_dirs and all(is_current(d) for d in solve_dirs)
+    assert PLAN_PICTURE.path(solve_dirs[1]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert draw_plan_pictures(tmp_path / "results", solve_dirs, workers=2) == []  # current
