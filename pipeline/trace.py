@@ -351,36 +351,68 @@ def check_gradients(graph_module: Any, trainable: set[str]) -> None:
             "parameter is unused (set requires_grad=False on it)")
 
 
-def trace_model(model_cfg: Any, world_size: int) -> tuple[pa.Table, dict[str, Any]]:
+def _capture(built: Any) -> pa.Table:
+    """Capture the training step of ``built`` and convert it to the graph IR."""
+    from pipeline.models.step import training_step
+
+    with contextlib.ExitStack() as stack:
+        with training_step(built) as (module, _tied):
+            trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+            with export_tracing_state():
+                gm = capture_joint_graph(module, built.inputs, stack)
+        check_gradients(gm, trainable)
+        return graph_to_table(gm)
+
+
+def trace_model(model_cfg: Any, world_size: int, stamp_layers: bool = True
+                ) -> tuple[pa.Table, dict[str, Any]]:
     """Trace the training step of the model described by ``model_cfg``.
 
+    With ``stamp_layers`` (the default) a model of N >= 5 identical repeated blocks is
+    traced with its first 4 blocks and the IR stamped to N blocks
+    (:mod:`pipeline.trace_stamp`: method, proof conditions, residual risk), the same
+    table a full trace gives; when the blocks are not provably identical, or without
+    ``stamp_layers``, the whole model is traced.
+
     Returns the graph IR table and a dict of facts (node count, seconds, ``model_info``,
-    ``tied_parameters``).
+    ``tied_parameters``, ``method``: ``{"stamped": true, "traced_layers": 4}`` or
+    ``{"stamped": false, "why": ...}``).
 
     Raises:
         ValueError: an invalid model config (:class:`pipeline.models.ModelError` for a
             model that cannot be built or whose step has no gradient).
     """
-    from pipeline import models
-    from pipeline.models.step import parameter_count, training_step
+    from pipeline import models, trace_stamp
+    from pipeline.models.step import parameter_count, tied_parameters
 
     built = models.build(model_cfg)
     fake_process_group(world_size)
     start = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        with training_step(built) as (module, tied):
-            trainable = {n for n, p in module.named_parameters() if p.requires_grad}
-            params = parameter_count(module)
-            with export_tracing_state():
-                gm = capture_joint_graph(module, built.inputs, stack)
-        check_gradients(gm, trainable)
-        table = graph_to_table(gm)
+    tied = tied_parameters(built.module)
+    params = parameter_count(built.module)
+    plan, why = (trace_stamp.short_model_plan(built.module, tied) if stamp_layers
+                 else (None, "stamp_layers=false"))
+    table = None
+    if plan is not None:
+        trace_stamp.truncate_blocks(built.module, plan)
+        short = _capture(built)
+        try:
+            table = trace_stamp.stamp(short, plan.container, plan.n_layers)
+            method = {"stamped": True, "traced_layers": trace_stamp.SHORT_LAYERS}
+        except trace_stamp.StampError as err:
+            why = f"the {trace_stamp.SHORT_LAYERS}-block trace does not prove it: {err}"
+            built = models.build(model_cfg)
+    if table is None:
+        method = {"stamped": False, "why": why}
+        table = _capture(built)
+    log.info("trace: %s", f"stamped {trace_stamp.SHORT_LAYERS} traced blocks to "
+             f"{plan.n_layers}" if method["stamped"] else f"full trace ({why})")
     layers = {x for x, k in zip(table.column("layer").to_pylist(),
                                 table.column("kind").to_pylist())
               if x is not None and k == "call_function"}
     info = {**built.info, "parameters": int(params), "layers": len(layers)}
     return table, {"nodes": table.num_rows, "seconds": time.perf_counter() - start,
-                   "model_info": info, "tied_parameters": dict(tied)}
+                   "model_info": info, "tied_parameters": dict(tied), "method": method}
 
 
 def world_size_of(cfg: Any) -> int:
