@@ -19,10 +19,26 @@ data-dependent paths (``find_packed_sequence_indices``) that cannot be traced on
 A capture in which a trainable parameter gets no gradient (a loss whose backward
 vanished, an unused parameter) is refused with one line naming the parameter.
 
+**Depth-independent trace** (``stamp_layers``, default on; :mod:`pipeline.trace_stamp`):
+a model of N >= 5 repeated blocks (one ``ModuleList``) whose blocks are structurally
+identical (modules, tensors, plain attributes except the layer index) is traced with its
+first 4 blocks (first, two middles, last) and the middle block is stamped into the IR up
+to N blocks; the result is the table a full trace writes, row for row. The 4-block IR
+must prove it: the blocks' nodes in relative form (block paths index-free, tensor
+references as (block offset, ordinal in the block)) equal, the middles exactly and the
+first / last block up to their references outside the blocks; the layer labels one run
+per block in ascending or descending sweeps; nodes outside the blocks referring to the
+first and last block only (the output node's gradient list is a sweep of its own); FX
+name counters advancing alike in both middles; and stamping the 4-block IR back to 4
+blocks reproducing it. Otherwise, or with ``stamp_layers=false``, the whole model is
+traced. Residual risk: forward code branching on the layer index itself beyond block 3
+escapes both the structural and the IR checks; ``stamp_layers=false`` avoids it.
+
 The graph's metadata (``pipeline`` key of the Parquet schema) holds the model facts of
 the run record: ``model_info`` = family, architecture, parameter count (distinct
 tensors), layer count (repeated blocks found in the graph), width when known, and
-``tied_parameters`` ``{alias: parameter}``.
+``tied_parameters`` ``{alias: parameter}``, and ``trace_method``: ``{"stamped": true,
+"traced_layers": 4}`` or ``{"stamped": false, "why": ...}``.
 
 Graph IR (``graph.parquet``), one row per FX node in graph order:
 
@@ -433,7 +449,8 @@ def run_trace(cfg: Any, out_dir: Path) -> None:
     timer = runtime.PhaseTimer()
     with timer.phase("trace"):
         model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
-        table, facts = trace_model(model_cfg, world_size_of(cfg))
+        table, facts = trace_model(model_cfg, world_size_of(cfg),
+                                   stamp_layers=bool(cfg.get("stamp_layers", True)))
         # The traced FX graphs and the model are reference cycles (~3,000 objects per
         # layer): reclaim them here, in the stage that made them, rather than in the
         # first full collection of a later stage running in the same process.
@@ -444,6 +461,7 @@ def run_trace(cfg: Any, out_dir: Path) -> None:
         "model_info": facts["model_info"],
         "tied_parameters": facts["tied_parameters"],
         "nodes": facts["nodes"],
+        "trace_method": facts["method"],
         "seconds": timer.seconds,
         "peak_rss_bytes": runtime.peak_rss_bytes(),
         "git": runtime.git_revision(),

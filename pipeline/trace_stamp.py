@@ -54,8 +54,8 @@ from typing import Any
 
 import pyarrow as pa
 
-__all__ = ["SHORT_LAYERS", "ShortModel", "StampError", "short_model_plan", "stamp",
-           "truncate_blocks"]
+__all__ = ["SHORT_LAYERS", "ShortModel", "StampError", "name_gaps", "names_from_gaps",
+           "short_model_plan", "stamp", "truncate_blocks"]
 
 #: Blocks of the truncated model: first, two middles, last.
 SHORT_LAYERS = 4
@@ -151,7 +151,8 @@ def short_model_plan(module: Any, tied: dict[str, str]) -> tuple[ShortModel | No
     if not found:
         return None, "no ModuleList of repeated blocks"
     if len(found) > 1:
-        return None, f"{len(found)} containers of repeated blocks ({', '.join(p for p, _ in found)})"
+        paths = ", ".join(p for p, _ in found)
+        return None, f"{len(found)} containers of repeated blocks ({paths})"
     path, blocks = found[0]
     n = len(blocks)
     if n <= SHORT_LAYERS:
@@ -214,17 +215,7 @@ class _Template:
                              f"expected 0..{SHORT_LAYERS - 1}")
         self.none_nodes = [j for j in range(self.n) if labels[j] is None]
         self.segments = self._segments()
-        self.names = [self._split_name(x) for x in self.cols["name"]]
-
-    @staticmethod
-    def _split_name(name: str) -> tuple[str, int]:
-        m = _NAME_RE.match(name)
-        if m is None:
-            raise StampError(f"FX name {name!r} is not base[_n]")
-        base, num = m.group(1, 2)
-        if num is not None and int(num) == 0:
-            raise StampError(f"FX name {name!r} has number 0")
-        return base, 0 if num is None else int(num)
+        self.gaps = name_gaps(self.cols["name"])
 
     def _segments(self) -> list[tuple[str, Any]]:
         """Graph order as ``("none", [rows])`` and ``("sweep", (+1|-1, [[rows] per
@@ -284,7 +275,7 @@ class _Template:
             _REF_RE.sub('{"node": ?}', c[key][j]) if key in ("args", "kwargs")
             else self.rel_text(c[key][j], block) if key in ("fqn", "module_path", "layer",
                                                            "output_desc")
-            else self.names[j][0] if key == "name"
+            else self.gaps[j][0] if key == "name"
             else c[key][j]
             for key in c if key != "idx")
         return skeleton, refs
@@ -310,7 +301,7 @@ def _check_blocks(t: _Template) -> None:
                 if r != m and not (m[0] == "rel" and m[1] == edge and r[0] == "none"):
                     raise StampError(f"block {block} differs from the middle blocks in a "
                                      f"reference of {name}")
-    for skel, refs in middle:
+    for _skel, refs in middle:
         for r in refs:
             if r[0] == "rel" and abs(r[1]) > 1:
                 raise StampError("a block refers to a block beyond its neighbours")
@@ -372,6 +363,11 @@ def _output_layout(t: _Template, j: int) -> tuple[list, list, list[Any]]:
     return elems[:lo], slices, elems[hi:]
 
 
+def _ref(idx: int) -> str:
+    """A tensor reference as :func:`json.dumps` writes it."""
+    return f'{{"node": {idx}}}'
+
+
 def _sweep_blocks(direction: int, n_layers: int) -> list[tuple[int, int]]:
     """``(template block, stamped layer)`` in sweep order."""
     last = SHORT_LAYERS - 1
@@ -425,8 +421,8 @@ def _build(t: _Template, n_layers: int) -> pa.Table:
             if key == "idx":
                 value = i
             elif key in ("args", "kwargs"):
-                value = _REF_RE.sub(lambda m, b=block, L=layer: '{"node": %d}' % target(
-                    int(m.group(1)), b, L), value)
+                value = _REF_RE.sub(lambda m, b=block, L=layer: _ref(
+                    target(int(m.group(1)), b, L)), value)
             elif key in ("fqn", "module_path", "layer", "output_desc"):
                 value = text(value, block, layer)
             cols[key].append(value)
@@ -439,8 +435,8 @@ def _build(t: _Template, n_layers: int) -> pa.Table:
         groups = [prefix] + [slices[b] for b in blocks_of[1:-1]] + [suffix]
         for group, block, layer in zip(groups, blocks_of, layer_of):
             for elem, desc in group:
-                etext = _REF_RE.sub(lambda m, b=block, L=layer: '{"node": %d}' % target(
-                    int(m.group(1)), b, L), json.dumps(elem))
+                etext = _REF_RE.sub(lambda m, b=block, L=layer: _ref(
+                    target(int(m.group(1)), b, L)), json.dumps(elem))
                 elems.append(json.loads(etext))
                 descs.append(json.loads(text(json.dumps(desc), block, layer)))
         i_out = plan.index((out_j, None))
@@ -451,27 +447,49 @@ def _build(t: _Template, n_layers: int) -> pa.Table:
                     schema=t.schema)
 
 
-def _rename(t: _Template, plan: list[tuple[int, int | None]], cols: dict[str, list]) -> None:
-    """FX names of the stamped rows: each base's counter advances by the gap of the
-    template row (its number minus the previous number of its base in graph order)."""
-    gaps: list[int] = []
+def name_gaps(names: list[str]) -> list[tuple[str, int]]:
+    """``(base, gap)`` of each FX name in graph order: ``base`` or ``base_<n>`` (``n`` 0
+    for a bare base), the gap being ``n`` minus the previous ``n`` of that base (0 before
+    its first occurrence).
+
+    Raises:
+        StampError: a name that is not ``base[_n]`` or is numbered 0.
+    """
+    out = []
     previous: dict[str, int] = {}
-    for base, num in t.names:
-        gaps.append(num - previous.get(base, 0))
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m is None:
+            raise StampError(f"FX name {name!r} is not base[_n]")
+        base, text = m.group(1, 2)
+        num = 0 if text is None else int(text)
+        if text is not None and num == 0:
+            raise StampError(f"FX name {name!r} has number 0")
+        out.append((base, num - previous.get(base, 0)))
         previous[base] = num
-    mid = t.block_nodes
-    for a, b in zip(mid[1], mid[2]):
+    return out
+
+
+def names_from_gaps(gaps: list[tuple[str, int]]) -> list[str]:
+    """The names of :func:`name_gaps` back: each base's counter advances by the gap
+    (torch/fx/graph.py ``_Namespace.create_name``: one counter per base)."""
+    current: dict[str, int] = {}
+    names = []
+    for base, gap in gaps:
+        num = current.get(base, 0) + gap
+        current[base] = num
+        names.append(base if num == 0 else f"{base}_{num}")
+    return names
+
+
+def _rename(t: _Template, plan: list[tuple[int, int | None]], cols: dict[str, list]) -> None:
+    """FX names of the stamped rows: the gaps of their template rows, counted on."""
+    gaps = t.gaps
+    for a, b in zip(t.block_nodes[1], t.block_nodes[2]):
         if gaps[a] != gaps[b]:
             raise StampError(f"FX name counters advance differently in the middle blocks "
                              f"({t.cols['name'][a]} vs {t.cols['name'][b]})")
-    current: dict[str, int] = {}
-    names = []
-    for j, _layer in plan:
-        base = t.names[j][0]
-        num = current.get(base, 0) + gaps[j]
-        current[base] = num
-        names.append(base if num == 0 else f"{base}_{num}")
-    cols["name"] = names
+    cols["name"] = names_from_gaps([gaps[j] for j, _layer in plan])
 
 
 def stamp(short: pa.Table, container: str, n_layers: int) -> pa.Table:

@@ -198,8 +198,8 @@ BAD_CASES = [
     ("unknown-key", ["foo=1"], ["overrides=foo=1"],
      "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
      "optimizer, constraints, memory, fsdp, costs, mesh, mesh_names, lazy_costs, "
-     "repeated_layers, recipe, optimality_check, results_dir, experiment, revision_label, "
-     "workers, paper"),
+     "stamp_layers, repeated_layers, recipe, optimality_check, results_dir, experiment, "
+     "revision_label, workers, paper"),
     ("workers-negative", ["workers=-1"], ["workers=-1"],
      "workers=-1: allowed 0 (one process per available CPU) or an integer >= 1 (1: no "
      "worker processes)"),

@@ -23,7 +23,7 @@ from pipeline.runtime import PROJECT_ROOT
 #: (``pipeline/topology.py`` and ``pipeline/topology/**/*.py``), so the hash covers the
 #: stage's code before and after the split.
 STAGE_SOURCES: dict[str, tuple[str, ...]] = {
-    "trace": ("pipeline/trace.py", "pipeline/models/**/*.py"),
+    "trace": ("pipeline/trace.py", "pipeline/trace_stamp.py", "pipeline/models/**/*.py"),
     "topology": ("pipeline/topology.py", "pipeline/topology/**/*.py", "pipeline/ir.py",
                  "pipeline/placements.py", "pipeline/artifacts.py"),
     "costs": ("pipeline/costs.py", "pipeline/ir.py", "pipeline/costmodel/**/*.py",

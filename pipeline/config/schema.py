@@ -185,6 +185,9 @@ class Config:
             to a list of ints.
         mesh_names: one name per mesh dim (``None``: dp / dp,tp / dp,cp,tp by rank).
         lazy_costs: lazy cost factors (``None``: true for approx, false for ilp/lp).
+        stamp_layers: trace a model of N >= 5 identical repeated blocks with 4 blocks and
+            stamp the middle block to N (pipeline/trace_stamp.py; the same graph IR as a
+            full trace, so not part of the trace key); ``False``: always trace in full.
         repeated_layers: tie the copies of a repeated layer to one decision.
         recipe: pin the placements of a standard hand-written plan (``ddp``, ``fsdp``,
             ``hsdp``, ``fsdp_tp``, ``fsdp_tp_cp``; pipeline/topology/pins.py) to compare
@@ -214,6 +217,7 @@ class Config:
     mesh: Any = "2,4,8"
     mesh_names: list[str] | None = None
     lazy_costs: bool | None = None
+    stamp_layers: bool = True
     repeated_layers: bool = True
     recipe: str | None = None
     optimality_check: bool = False

@@ -47,6 +47,9 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
     for key in sorted(keys):
         for k, v in _leaves(key, keys[key]):
             out.append(f"{k}={override_value(v)}")
+    if stage == "trace" and cfg.get("stamp_layers") is False:
+        # a full trace gives the same graph (in no key): passed on when switched off
+        out.append("stamp_layers=false")
     if stage in ("costs", "solve") and cfg.solver.get("max_memory") is not None:
         # the size guard of the costs stage (in no key): passed on when set
         out.append(f"solver.max_memory={override_value(cfg.solver.max_memory)}")
@@ -57,8 +60,8 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
 
 #: Snakemake ``--config`` keys and how each maps to Hydra.
 SNAKEMAKE_KEYS: tuple[str, ...] = ("model", "mesh", "mesh_names", "solver", "lazy_costs",
-                                   "hardware", "optimizer", "experiment", "repeated_layers",
-                                   "recipe",
+                                   "hardware", "optimizer", "experiment", "stamp_layers",
+                                   "repeated_layers", "recipe",
                                    "optimality_check", "results_dir", "revision_label",
                                    "workers", "overrides")
 
