@@ -32,7 +32,8 @@ first and last block only (the output node's gradient list is a sweep of its own
 name counters advancing alike in both middles; and stamping the 4-block IR back to 4
 blocks reproducing it. Otherwise, or with ``stamp_layers=false``, the whole model is
 traced. Residual risk: forward code branching on the layer index itself beyond block 3
-escapes both the structural and the IR checks; ``stamp_layers=false`` avoids it.
+(or reading ``len()`` of the block list) escapes both the structural and the IR checks;
+``stamp_layers=false`` avoids it.
 
 The graph's metadata (``pipeline`` key of the Parquet schema) holds the model facts of
 the run record: ``model_info`` = family, architecture, parameter count (distinct
@@ -411,12 +412,19 @@ def trace_model(model_cfg: Any, world_size: int, stamp_layers: bool = True
     table = None
     if plan is not None:
         trace_stamp.truncate_blocks(built.module, plan)
-        short = _capture(built)
         try:
-            table = trace_stamp.stamp(short, plan.container, plan.n_layers)
-            method = {"stamped": True, "traced_layers": trace_stamp.SHORT_LAYERS}
-        except trace_stamp.StampError as err:
-            why = f"the {trace_stamp.SHORT_LAYERS}-block trace does not prove it: {err}"
+            short = _capture(built)
+        except IndexError as err:
+            # a forward that indexes the blocks up to the full depth cannot run truncated
+            # (any other error is the model's own: the full trace would raise it too)
+            why = f"the forward cannot run with {trace_stamp.SHORT_LAYERS} blocks ({err})"
+        else:
+            try:
+                table = trace_stamp.stamp(short, plan.container, plan.n_layers)
+                method = {"stamped": True, "traced_layers": trace_stamp.SHORT_LAYERS}
+            except trace_stamp.StampError as err:
+                why = f"the {trace_stamp.SHORT_LAYERS}-block trace does not prove it: {err}"
+        if table is None:
             built = models.build(model_cfg)
     if table is None:
         method = {"stamped": False, "why": why}

@@ -40,9 +40,13 @@ attention).
   gap its source node has in the 4-block IR; the middle blocks' gaps are equal.
 * Self-check: stamping the 4-block IR to depth 4 gives back the 4-block IR exactly.
 
+A forward that indexes the blocks up to the full depth (``self.blocks[i] for i in
+range(n)``) fails on the truncated list with an ``IndexError``: full trace.
+
 **Residual risk**: forward code that branches on the layer index itself beyond block 3
 (``if self.layer_idx >= 8``, a config list read by index outside the blocks' own
-attributes) is invisible to both checks; ``stamp_layers=false`` traces in full.
+attributes), or that reads the number of blocks from the list (``len(self.layers)``),
+is invisible to both checks; ``stamp_layers=false`` traces in full.
 """
 
 from __future__ import annotations
@@ -492,6 +496,22 @@ def _rename(t: _Template, plan: list[tuple[int, int | None]], cols: dict[str, li
     cols["name"] = names_from_gaps([gaps[j] for j, _layer in plan])
 
 
+def _check_gaps_across_sweeps(t: _Template) -> None:
+    """A counter gap that spans a whole sweep without a node of its base in that sweep
+    could hold names of removed nodes of every block (a gap that grows with depth):
+    only a gap of 1 (nothing removed in between) is accepted there."""
+    spans = [(seg[1][0][0], seg[1][-1][-1]) for kind, seg in t.segments if kind == "sweep"]
+    last: dict[str, int] = {}
+    for j, (base, gap) in enumerate(t.gaps):
+        p = last.get(base)
+        last[base] = j
+        if p is None or gap <= 1:
+            continue
+        if any(p < lo and hi < j for lo, hi in spans):
+            raise StampError(f"FX name {t.cols['name'][j]} follows {t.cols['name'][p]} "
+                             "across a sweep of the blocks with names skipped in between")
+
+
 def stamp(short: pa.Table, container: str, n_layers: int) -> pa.Table:
     """The IR of the ``n_layers``-block model from the IR ``short`` of its first
     :data:`SHORT_LAYERS` blocks (``container``: the blocks' module path).
@@ -503,6 +523,7 @@ def stamp(short: pa.Table, container: str, n_layers: int) -> pa.Table:
         raise StampError(f"{n_layers} blocks (at least {SHORT_LAYERS} needed)")
     t = _Template(short, container)
     _check_blocks(t)
+    _check_gaps_across_sweeps(t)
     again = _build(t, SHORT_LAYERS)
     if not again.equals(short):
         raise StampError("stamping the 4-block IR to 4 blocks does not give it back")

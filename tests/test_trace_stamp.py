@@ -166,3 +166,60 @@ def test_name_gaps_of_a_hand_made_list():
     assert names_from_gaps(gaps) == names
     # the same pattern one more time: counters continue from where each base stopped
     assert names_from_gaps(gaps + gaps[4:6]) == [*names, "mm_3", "getitem_6"]
+
+
+_INDEXED_FILE = '''
+import torch
+import torch.nn as nn
+
+
+class Indexed(nn.Module):
+    """Blocks reached by index up to a depth stored apart from the list."""
+
+    def __init__(self, layers: int = 6):
+        super().__init__()
+        self.depth = layers
+        self.embed = nn.Embedding(32, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for i in range(self.depth):
+            h = self.blocks[i](h)
+        return h
+'''
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """A user's directory with the README's custom model and a depth-indexed one."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    shutil.copy(root / "examples" / "custom_model.py", tmp_path / "custom_model.py")
+    (tmp_path / "indexed_model.py").write_text(_INDEXED_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("custom_model", "indexed_model"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return tmp_path
+
+
+def test_custom_model_stamped_equals_full(user_dir, tmp_path):
+    """The README's custom module (its head tied to the embedding, outside the blocks)."""
+    _assert_stamped_is_full(tmp_path, [
+        "model=custom", "model.builder._target_=custom_model.TinyLM", "model.builder.vocab=48",
+        "model.builder.dim=12", "model.builder.hidden=24", "model.builder.layers=6",
+        "model.inputs=[{name:tokens,shape:[8,12],dtype:int64,high:48}]"], 6)
+
+
+def test_forward_indexing_the_full_depth_traces_in_full(user_dir):
+    table, facts = trace_model(_model([
+        "model=custom", "model.builder._target_=indexed_model.Indexed",
+        "model.inputs=[{name:tokens,shape:[2,4],dtype:int64,high:32}]"]), 8)
+    assert facts["method"]["stamped"] is False
+    assert facts["method"]["why"].startswith("the forward cannot run with 4 blocks (")
+    assert facts["model_info"]["layers"] == 6
+    fqns = [f for f in table.column("fqn").to_pylist() if f]
+    assert "blocks.5.weight" in fqns
