@@ -223,3 +223,17 @@ def test_forward_indexing_the_full_depth_traces_in_full(user_dir):
     assert facts["model_info"]["layers"] == 6
     fqns = [f for f in table.column("fqn").to_pylist() if f]
     assert "blocks.5.weight" in fqns
+
+
+def test_switch_reaches_the_trace_rule_and_not_the_key():
+    """``stamp_layers=false`` is passed to the Snakemake trace rule but keys no directory
+    (a stamped and a full trace are the same IR)."""
+    from pipeline.config import stage_dirs, stage_overrides
+
+    on = load_resolved(["model=toy"])
+    off = load_resolved(["model=toy", "stamp_layers=false"])
+    assert on.stamp_layers is True and off.stamp_layers is False
+    assert stage_dirs(on) == stage_dirs(off)
+    assert "stamp_layers=false" not in stage_overrides(on, "trace")
+    assert stage_overrides(off, "trace") == [*stage_overrides(on, "trace"), "stamp_layers=false"]
+    assert load_resolved(stage_overrides(off, "trace")).stamp_layers is False
