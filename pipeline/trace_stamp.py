@@ -21,6 +21,9 @@ attention).
 * The ``layer`` labels form *runs* of consecutive equal labels, and the runs labelled
   with a block form *sweeps*, maximal sequences of block runs, each exactly one run per
   block ascending 0,1,2,3 or descending 3,2,1,0, the 4 runs of a sweep of one length.
+* Unlabelled runs between two runs of one block, all of one phase (Mixtral's expert
+  backward, ops without a module path), count as that block's nodes in a second reading
+  when the first fails; every condition below is checked again on that reading.
 * Relative form of a node of block i: every column with the block index made relative
   (strings ``<blocks>.i`` in ``fqn``, ``module_path``, ``layer``) and every tensor
   reference ``{"node": j}`` written ``(layer(j) - i, ordinal of j in its block)`` or
@@ -191,7 +194,7 @@ def truncate_blocks(module: Any, plan: ShortModel) -> None:
 class _Template:
     """The 4-block IR in relative form (see the module docstring)."""
 
-    def __init__(self, table: pa.Table, container: str) -> None:
+    def __init__(self, table: pa.Table, container: str, attach: bool = False) -> None:
         self.cols = {name: table.column(name).to_pylist() for name in table.column_names}
         self.schema = table.schema
         self.n = table.num_rows
@@ -206,6 +209,8 @@ class _Template:
             if m is None:
                 raise StampError(f"layer label {lab!r} is not a block of {container}")
             labels.append(int(m.group(1)))
+        if attach:
+            _attach_enclosed(labels, self.cols["phase"])
         self.label = labels
         self.ordinal: list[int] = []
         counts: dict[Any, int] = {}
@@ -283,6 +288,33 @@ class _Template:
             else c[key][j]
             for key in c if key != "idx")
         return skeleton, refs
+
+
+def _enclosed_runs(labels: list[int | None], phases: list[str]) -> list[tuple[int, int, int]]:
+    """``(start, stop, block)`` of each unlabelled run between two runs of one block, all
+    of one phase (the loss between the last block's forward and its backward is not)."""
+    runs: list[list] = []
+    for j, lab in enumerate(labels):
+        if runs and runs[-1][0] == lab:
+            runs[-1][2] = j + 1
+        else:
+            runs.append([lab, j, j + 1])
+    out = []
+    for k in range(1, len(runs) - 1):
+        lab, start, stop = runs[k]
+        if lab is not None or runs[k - 1][0] is None or runs[k - 1][0] != runs[k + 1][0]:
+            continue
+        if len(set(phases[start - 1:stop + 1])) == 1:
+            out.append((start, stop, runs[k - 1][0]))
+    return out
+
+
+def _attach_enclosed(labels: list[int | None], phases: list[str]) -> None:
+    """Count each unlabelled run between two runs of one block (one phase) as that
+    block's nodes (Mixtral's expert backward: ops without a module path inside a block's
+    backward); their ``layer`` column stays null."""
+    for start, stop, block in _enclosed_runs(labels, phases):
+        labels[start:stop] = [block] * (stop - start)
 
 
 def _check_blocks(t: _Template) -> None:
@@ -521,7 +553,24 @@ def stamp(short: pa.Table, container: str, n_layers: int) -> pa.Table:
     """
     if n_layers < SHORT_LAYERS:
         raise StampError(f"{n_layers} blocks (at least {SHORT_LAYERS} needed)")
-    t = _Template(short, container)
+    try:
+        return _stamp(_Template(short, container), short, n_layers)
+    except StampError as plain:
+        block_re = re.compile(re.escape(container) + r"\.(\d+)")
+        labels = [None if x is None or not block_re.fullmatch(x)
+                  else int(block_re.fullmatch(x).group(1))
+                  for x in short.column("layer").to_pylist()]
+        if not _enclosed_runs(labels, short.column("phase").to_pylist()):
+            raise
+        # second reading: unlabelled runs inside a block belong to it; every check again
+        try:
+            return _stamp(_Template(short, container, attach=True), short, n_layers)
+        except StampError as attached:
+            raise StampError(f"{plain}; counting the unlabelled runs inside a block as "
+                             f"its nodes: {attached}") from None
+
+
+def _stamp(t: _Template, short: pa.Table, n_layers: int) -> pa.Table:
     _check_blocks(t)
     _check_gaps_across_sweeps(t)
     again = _build(t, SHORT_LAYERS)

@@ -63,6 +63,15 @@ def test_hf_qwen2_stamped_equals_full(tmp_path):
                             6)
 
 
+@pytest.mark.slow
+def test_hf_mixtral_stamped_equals_full(tmp_path):
+    """MoE blocks whose expert backward holds ops without a module path (unlabelled runs
+    inside each block's backward, counted as the block's nodes)."""
+    pytest.importorskip("transformers")
+    _assert_stamped_is_full(tmp_path, ["model=hf/mixtral", "model.config.num_hidden_layers=6"],
+                            6)
+
+
 def _model(overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
