@@ -141,8 +141,10 @@ class CostModel:
                  recompute: tuple[np.ndarray, np.ndarray] | None = None,
                  collectives: Any = None,
                  fuse_pointwise: bool = False):
+        from pipeline.costmodel.hardware import as_hardware
+
         self.topology = topology
-        self.hw = hw
+        self.hw = as_hardware(hw)  # plain attributes: the compute model reads them per op
         self.memoise = memoise
         self.mesh_shape = tuple(int(s) for s in topology.summary["mesh"])
         self.ndim = len(self.mesh_shape)

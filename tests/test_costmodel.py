@@ -621,3 +621,25 @@ def test_group_factors_equal_the_dense_sum_of_their_edges(toy_2x4, hw):
         multi += len(members) > 1
     assert multi > 0  # the repeated layers' group edges have several members
     assert lazy.cost_model._table_memo == {}
+
+
+def test_as_hardware_gives_the_group_values_as_plain_attributes():
+    from omegaconf import DictConfig
+
+    from pipeline.config.compose import load_resolved
+    from pipeline.costmodel.hardware import (
+        HardwareConfig,
+        as_hardware,
+        hardware_key,
+        load_hardware,
+    )
+
+    hw = load_resolved(["hardware=h100"]).hardware
+    assert isinstance(hw, DictConfig)
+    plain = as_hardware(hw)
+    assert isinstance(plain, HardwareConfig) and as_hardware(plain) is plain
+    assert hardware_key(plain) == hardware_key(hw)
+    h100 = Path(__file__).resolve().parent.parent / "conf" / "hardware" / "h100.yaml"
+    assert hardware_key(plain) == hardware_key(load_hardware(str(h100)))
+    assert (plain.intra_node.bandwidth, plain.inter_node.latency_us) == (
+        float(hw.intra_node.bandwidth), float(hw.inter_node.latency_us))
