@@ -1,4 +1,4 @@
-"""Time a Hydra sweep over one cached trace: meshes x solvers x cost modes of llama1b.
+"""Time a Hydra sweep over one cached trace: meshes x solvers x cost modes of a model.
 
     python benchmarks/sweep.py [--results DIR] [--meshes 8,16,2x8,4x4,8x8] [--model llama1b]
 
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,9 +45,20 @@ def run(args: list[str], cwd: Path, module: str = "pipeline") -> tuple[float, st
                           check=False)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        sys.exit(f"python -m {module} {' '.join(args)} failed ({proc.returncode}):\n"
-                 + proc.stdout[-2000:])
+        raise RunFailed(proc.returncode, proc.stdout)
     return wall, proc.stdout
+
+
+class RunFailed(Exception):
+    """A ``python -m pipeline`` run of the sweep failed: its exit code and output."""
+
+    def __init__(self, code: int, output: str) -> None:
+        super().__init__(code)
+        self.code, self.output = code, output
+
+    def last_line(self) -> str:
+        lines = [ln for ln in self.output.splitlines() if ln.strip()]
+        return lines[-1] if lines else f"exit code {self.code}"
 
 
 def points(log: str, cwd: Path) -> list[tuple[str, float, str]]:
@@ -77,7 +89,19 @@ def main() -> None:
     ap.add_argument("--model", default="llama1b", help="model option (conf/model)")
     args = ap.parse_args()
     results = args.results or Path(tempfile.mkdtemp(prefix="sweep-"))
+    made = not results.exists() or not any(results.iterdir())
     results.mkdir(parents=True, exist_ok=True)
+    try:
+        sweep(args, results)
+    except RunFailed as err:  # a bad value: the pipeline's one line, its exit code
+        if made and not any(p for p in results.rglob("*") if p.is_file()):
+            shutil.rmtree(results)
+        print(err.last_line(), file=sys.stderr)
+        sys.exit(err.code)
+
+
+def sweep(args: argparse.Namespace, results: Path) -> None:
+    """Make the trace, run the two sweeps, print and write the table."""
     meshes = args.meshes.split(",")
     common = [f"model={args.model}", f"results_dir={results.resolve()}"]
     trace_wall, _ = run(["trace", *common, f"mesh={meshes[0]}"], ROOT, "pipeline.cli")
