@@ -382,17 +382,7 @@ class TableContext:
         arr, done, n = self._record_array, self._records_done, len(self.records)
         if arr is not None and done == n:
             return arr[:n]
-        width = max(1, max(len(r) for r in self.records[done:]))
-        if arr is None or width > arr.shape[1] or n > len(arr):
-            old_width = 0 if arr is None else arr.shape[1]
-            cap = max(n, 2 * (0 if arr is None else len(arr)), 64)
-            grown = np.full((cap, max(width, old_width)), _NULL_STEP, dtype=np.intp)
-            if arr is not None:
-                grown[:done, :old_width] = arr[:done]
-            arr = self._record_array = grown
-        for k in range(done, n):
-            r = self.records[k]
-            arr[k, : len(r)] = r
+        arr = self._record_array = _extended(arr, self.records, done, np.intp)
         self._records_done = n
         return arr[:n]
 
@@ -423,18 +413,7 @@ class TableContext:
                     for p in flat_parts(rows)]
             self.flat_records.append(tuple(refs))
         # extended in place as records are added (as :meth:`record_array`)
-        arr = self._flat_array
-        width = max(1, max(len(r) for r in self.flat_records[done:]))
-        if arr is None or width > arr.shape[1] or n > len(arr):
-            old_width = 0 if arr is None else arr.shape[1]
-            cap = max(n, 2 * (0 if arr is None else len(arr)), 64)
-            grown = np.full((cap, max(width, old_width)), _NULL_STEP, dtype=np.int64)
-            if arr is not None:
-                grown[:done, :old_width] = arr[:done]
-            arr = self._flat_array = grown
-        for k in range(done, n):
-            r = self.flat_records[k]
-            arr[k, : len(r)] = r
+        arr = self._flat_array = _extended(self._flat_array, self.flat_records, done, np.int64)
         return arr[:n]
 
     def uniform_matrix(self, si: np.ndarray, di: np.ndarray) -> np.ndarray:
@@ -460,6 +439,26 @@ class TableContext:
             self.uniform[i, j] = out
             sub = self.uniform[ix]
         return sub
+
+
+def _extended(arr: np.ndarray | None, rows: list[tuple[int, ...]], done: int,
+              dtype: Any) -> np.ndarray:
+    """``arr`` (rows ``[:done]`` filled, or None) with ``rows[done:]`` written after them,
+    padded with the null step; reallocated (doubling, at least 64 rows) when the new rows
+    do not fit in its length or width."""
+    n = len(rows)
+    width = max(1, max(len(r) for r in rows[done:]))
+    if arr is None or width > arr.shape[1] or n > len(arr):
+        old_width = 0 if arr is None else arr.shape[1]
+        cap = max(n, 2 * (0 if arr is None else len(arr)), 64)
+        grown = np.full((cap, max(width, old_width)), _NULL_STEP, dtype=dtype)
+        if arr is not None:
+            grown[:done, :old_width] = arr[:done]
+        arr = grown
+    for k in range(done, n):
+        r = rows[k]
+        arr[k, : len(r)] = r
+    return arr
 
 
 def _step_costs(ctx: TableContext, shape: tuple[int, ...], itemsize: int,
