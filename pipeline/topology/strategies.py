@@ -547,23 +547,32 @@ class _PortableMask:
     buffer: int
 
 
+def _map_leaves(obj: Any, leaf: Any) -> Any:
+    """``obj`` (a StrategyList, nested tuples / lists of placements) with ``leaf`` applied
+    to every element that is none of those."""
+    if isinstance(obj, StrategyList):
+        return StrategyList(_map_leaves(obj.outputs, leaf), _map_leaves(obj.inputs, leaf),
+                            obj.fallback)
+    if isinstance(obj, tuple):
+        return tuple(_map_leaves(x, leaf) for x in obj)
+    if isinstance(obj, list):
+        return [_map_leaves(x, leaf) for x in obj]
+    return leaf(obj)
+
+
 def _portable(obj: Any, buffers: dict[int, int]) -> Any:
     """``obj`` (a StrategyList, tuples, placements) with every ``_MaskPartial`` as a
     :class:`_PortableMask` (``buffers``: ``id`` of a mask buffer -> its number)."""
     from torch.distributed.tensor.placement_types import _MaskPartial
 
-    if isinstance(obj, StrategyList):
-        return StrategyList(_portable(obj.outputs, buffers), _portable(obj.inputs, buffers),
-                            obj.fallback)
-    if isinstance(obj, tuple):
-        return tuple(_portable(x, buffers) for x in obj)
-    if isinstance(obj, list):
-        return [_portable(x, buffers) for x in obj]
-    if isinstance(obj, _MaskPartial):
-        shape = None if obj.offset_shape is None else tuple(int(s) for s in obj.offset_shape)
-        number = buffers.setdefault(id(obj.mask_buffer), len(buffers))
-        return _PortableMask(obj.reduce_op, shape, int(obj.offset_dim), number)
-    return obj
+    def leaf(p: Any) -> Any:
+        if not isinstance(p, _MaskPartial):
+            return p
+        shape = None if p.offset_shape is None else tuple(int(s) for s in p.offset_shape)
+        number = buffers.setdefault(id(p.mask_buffer), len(buffers))
+        return _PortableMask(p.reduce_op, shape, int(p.offset_dim), number)
+
+    return _map_leaves(obj, leaf)
 
 
 def _restored(obj: Any, buffers: dict[int, Any]) -> Any:
@@ -572,18 +581,14 @@ def _restored(obj: Any, buffers: dict[int, Any]) -> Any:
     import torch
     from torch.distributed.tensor.placement_types import MaskBuffer, _MaskPartial
 
-    if isinstance(obj, StrategyList):
-        return StrategyList(_restored(obj.outputs, buffers), _restored(obj.inputs, buffers),
-                            obj.fallback)
-    if isinstance(obj, tuple):
-        return tuple(_restored(x, buffers) for x in obj)
-    if isinstance(obj, list):
-        return [_restored(x, buffers) for x in obj]
-    if isinstance(obj, _PortableMask):
-        buffer = buffers.setdefault(obj.buffer, MaskBuffer())
-        shape = None if obj.offset_shape is None else torch.Size(obj.offset_shape)
-        return _MaskPartial(obj.reduce_op, buffer, shape, obj.offset_dim)
-    return obj
+    def leaf(p: Any) -> Any:
+        if not isinstance(p, _PortableMask):
+            return p
+        buffer = buffers.setdefault(p.buffer, MaskBuffer())
+        shape = None if p.offset_shape is None else torch.Size(p.offset_shape)
+        return _MaskPartial(p.reduce_op, buffer, shape, p.offset_dim)
+
+    return _map_leaves(obj, leaf)
 
 
 def _signature(node: IRNode, metas: list[dict]) -> str:
