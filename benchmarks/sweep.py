@@ -104,7 +104,7 @@ def sweep(args: argparse.Namespace, results: Path) -> None:
     """Make the trace, run the two sweeps, print and write the table."""
     meshes = args.meshes.split(",")
     common = [f"model={args.model}", f"results_dir={results.resolve()}"]
-    trace_wall, _ = run(["trace", *common, f"mesh={meshes[0]}"], ROOT, "pipeline.cli")
+    trace_wall, _ = run(["trace", *common, f"mesh={meshes[0]}"], ROOT, "pipeline.stages.runner")
     sweeps = [[*common, f"mesh={','.join(meshes)}", "solver=approx", "lazy_costs=true,false"],
               [*common, f"mesh={','.join(meshes)}", "solver=ilp,lp"]]
     rows, walls, reports = [], [], []

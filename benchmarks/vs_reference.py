@@ -14,7 +14,7 @@ Runs with the project's Python. The reference runs in its own venv
 Per mesh and repeat, alternating sides (the side that goes first alternates too):
 
 * project: ``python -m pipeline model=llama1b mesh=<m> solver=approx lazy_costs=true``
-  through :func:`pipeline.bench.run_case`, in a fresh, empty temporary results directory
+  through :func:`pipeline.tools.bench.run_case`, in a fresh, empty temporary results directory
   (no cached trace: every phase is computed in that process), removed afterwards;
   its phases come from its run record (``phases`` of ``run.json``);
 * reference: ``<ref-python> benchmarks/reference_llama.py --mesh <m>``, one JSON line.
@@ -54,9 +54,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # this checkout's pipeline, not an installed one
     sys.path.insert(0, str(ROOT))
 
-from pipeline import runtime  # noqa: E402
-from pipeline.bench import Case, machine_info, run_case  # noqa: E402
-from pipeline.bench.runner import _measure, _tail  # noqa: E402
+from pipeline.core import runtime  # noqa: E402
+from pipeline.tools.bench import Case, machine_info, run_case  # noqa: E402
+from pipeline.tools.bench.runner import _measure, _tail  # noqa: E402
 
 __all__ = ["DEFAULT_MESHES", "PROJECT_PHASES", "default_ref_python", "main", "markdown",
            "parse_meshes", "project_case", "ratio", "summarise"]

@@ -5,7 +5,7 @@
     python -m pipeline -m lazy_costs=true,false mesh=8,2x4,2x4x8     # Hydra sweep
 
 Stages trace -> topology -> costs -> solve run in order, each reusing its artifact
-when it is current (see :func:`pipeline.cli.run_stage`), then the report over all
+when it is current (see :func:`pipeline.stages.runner.run_stage`), then the report over all
 runs under ``results_dir`` (a sweep writes it once, after its last job). Every
 override of every job of a sweep is validated before anything runs: a bad value prints
 one line on stderr and exits with 2.
@@ -22,7 +22,6 @@ from collections.abc import Sequence
 import hydra
 from omegaconf import DictConfig
 
-from pipeline.cli import PHASES, configure_logging, run_stage, sentinel
 from pipeline.config import (
     CONF_DIR,
     STAGES,
@@ -34,7 +33,8 @@ from pipeline.config import (
     stage_dirs,
     sweep_overrides,
 )
-from pipeline.runtime import PhaseTimer
+from pipeline.core.runtime import PhaseTimer
+from pipeline.stages.runner import PHASES, configure_logging, run_stage, sentinel
 
 log = logging.getLogger("pipeline")
 
@@ -44,7 +44,7 @@ def run_pipeline(cfg: DictConfig, force: bool = False, report: bool = True) -> P
 
     A stage whose artifact is current is reused (unless ``force``: every stage runs).
     Once a stage has run, the later stages run too, because their artifacts are now
-    older than their input (:func:`pipeline.cli.run_stage` compares modification times,
+    older than their input (:func:`pipeline.stages.runner.run_stage` compares modification times,
     as Snakemake does) -- unless another process running the same config has already
     remade them from the new input meanwhile: then they are current and reused, so two
     processes of one config run each stage once. The report always runs, unless
@@ -97,7 +97,7 @@ def _hydra_task(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(err, file=sys.stderr)
         sys.exit(2)
-    from pipeline.cli import USER_ERRORS
+    from pipeline.stages.runner import USER_ERRORS
 
     try:
         run_pipeline(resolved, report=not _is_multirun())
@@ -127,7 +127,7 @@ def _prevalidate(argv: Sequence[str]) -> tuple[list[str], list[DictConfig]]:
                      or args.config_path or args.experimental_rerun)
     jobs: list[DictConfig] = []
     if not informational:
-        from pipeline.cli import preflight_trace
+        from pipeline.stages.runner import preflight_trace
 
         for job in (sweep_overrides(overrides) if args.multirun else [overrides]):
             cfg = load_resolved(job)

@@ -71,7 +71,7 @@ def child_env(seed: str) -> dict[str, str]:
     """The environment of a background job: this process's, with this checkout first on
     ``PYTHONPATH`` (so the job imports the code under test), ``PYTHONHASHSEED=seed``,
     and no ``PIPELINE_PROGRESS`` (a job's stderr is a pipe: it draws no bars)."""
-    from pipeline.progress import ENV_VAR
+    from pipeline.core.progress import ENV_VAR
 
     env = {k: v for k, v in os.environ.items() if k != ENV_VAR}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -354,14 +354,14 @@ def traced_topology(tmp: Path, model: dict, mesh: tuple[int, ...],
     the cost-model tests start from."""
     import math
 
-    from pipeline.topology import (
+    from pipeline.stages.topology import (
         build_topology,
         device_mesh,
         load_nodes,
         read_topology,
         write_topology,
     )
-    from pipeline.trace import trace_model
+    from pipeline.stages.trace.stage import trace_model
 
     table, _ = trace_model(model, math.prod(mesh))
     topo = build_topology(load_nodes(table), device_mesh(mesh, names), mesh, names,
@@ -382,7 +382,7 @@ def dtensor_planned(redistributions: list[dict], mesh_shape: tuple[int, ...],
 
     from dtensor_reference import DTensorReference
 
-    from pipeline.placements import parse_placements
+    from pipeline.dtensor.placements import parse_placements
 
     reference = DTensorReference()
     planned: collections.Counter = collections.Counter()

@@ -1,4 +1,4 @@
-"""The stage contracts of pipeline/artifacts.py: names, writers and readers that exist,
+"""The stage contracts of pipeline/core/artifacts.py: names, writers and readers that exist,
 the Snakemake outputs per cost mode, schema versions, and the ``factors.npz`` format
 (the complete MRF, constraint rows included) read back bit for bit."""
 
@@ -12,8 +12,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipeline import artifacts
-from pipeline.errors import PlanError
+from pipeline.core import artifacts
+from pipeline.core.errors import PlanError
 from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor
 
 
@@ -35,7 +35,8 @@ def test_names_are_unique_per_stage_directory() -> None:
 
 
 def test_sentinels_are_the_records_each_stage_writes_last() -> None:
-    from pipeline import bench, cli
+    from pipeline.stages import runner as cli
+    from pipeline.tools import bench
 
     assert artifacts.SENTINELS == {"trace": "graph.parquet", "topology": "topology.json",
                                    "costs": "costs.json", "solve": "run.json",

@@ -1,4 +1,4 @@
-"""Benchmark runner (pipeline/bench/): the ``smoke`` suite end to end in fresh
+"""Benchmark runner (pipeline/tools/bench/): the ``smoke`` suite end to end in fresh
 processes, ``--dry-run``, one-line usage errors, and a failing case recorded as ``Error``
 without stopping the suite.
 
@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 from fixtures import SEED, own_jobs_dir
 
-from pipeline import bench
+from pipeline.tools import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ EXPECTED_COLUMNS = {
 def run_bench(cwd: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH")] if p)
-    return subprocess.run([sys.executable, "-m", "pipeline.bench", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "pipeline.tools.bench", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -45,9 +45,9 @@ OWN_JOBS = {"bench-smoke": ("test_smoke_suite_fresh",)}
 
 
 def own_job_argv(key: str, base: Path) -> tuple[list[str], str]:
-    """``python -m pipeline.bench --suite smoke --fresh`` into ``base/bench``."""
+    """``python -m pipeline.tools.bench --suite smoke --fresh`` into ``base/bench``."""
     assert key == "bench-smoke", key
-    return [sys.executable, "-m", "pipeline.bench", "--suite", "smoke", "--fresh", "--out",
+    return [sys.executable, "-m", "pipeline.tools.bench", "--suite", "smoke", "--fresh", "--out",
             str(base / "bench")], SEED
 
 

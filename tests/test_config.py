@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline import cli
 from pipeline.config import (
     STAGES,
     Config,
@@ -37,6 +36,7 @@ from pipeline.config import (
     sweep_overrides,
 )
 from pipeline.models.llama import ffn_hidden_dim
+from pipeline.stages import runner as cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -262,7 +262,7 @@ def _files_under(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("case", BAD_CASES, ids=[c[0] for c in BAD_CASES])
-@pytest.mark.parametrize("entry", ["pipeline", "pipeline.cli"])
+@pytest.mark.parametrize("entry", ["pipeline", "pipeline.stages.runner"])
 def test_bad_input_entry_points(case, entry, tmp_path, monkeypatch, capsys):
     """The ``main`` of ``python -m pipeline`` / ``python -m pipeline.cli solve``, called in
     this process (the interpreter start-up is tested once below): exit 2, exactly the
@@ -302,7 +302,7 @@ def test_bad_input_through_the_real_interpreters(tmp_path):
     runs = [
         ([sys.executable, "-m", "pipeline", "mesh=2,0,8"],
          "mesh=2,0,8: allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"),
-        ([sys.executable, "-m", "pipeline.cli", "solve", "solver=foo"],
+        ([sys.executable, "-m", "pipeline.stages.runner", "solve", "solver=foo"],
          "solver=foo: allowed approx, ilp, lp"),
     ]
 
@@ -540,42 +540,54 @@ def test_stage_dirs_are_the_same_across_processes_and_hash_seeds(tmp_path):
     assert a == b == [str(here.trace), str(here.topology), str(here.costs), str(here.solve)]
 
 
-def test_stage_code_hash_follows_the_stage_sources(tmp_path):
-    (tmp_path / "pipeline" / "solvers").mkdir(parents=True)
-    (tmp_path / "pipeline" / "solve.py").write_text("a = 1\n")
-    first = stage_code_hash("solve", root=tmp_path)
-    assert first == stage_code_hash("solve", root=tmp_path)
-    (tmp_path / "pipeline" / "solvers" / "trws.py").write_text("b = 2\n")
-    second = stage_code_hash("solve", root=tmp_path)
-    (tmp_path / "pipeline" / "topology.py").write_text("c = 3\n")
-    assert stage_code_hash("solve", root=tmp_path) == second != first
-    (tmp_path / "pipeline" / "solve.py").write_text("a = 2\n")
-    assert stage_code_hash("solve", root=tmp_path) not in (first, second)
-    assert len(stage_code_hash("trace")) == 16
+def _tree_copy(tmp_path):
+    """A copy of this checkout's ``pipeline/`` package under ``tmp_path``."""
+    import shutil
+
+    from pipeline.core.runtime import PROJECT_ROOT
+
+    shutil.copytree(PROJECT_ROOT / "pipeline", tmp_path / "pipeline",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
 
 
-@pytest.mark.parametrize("stage, module, package_file", [
-    ("topology", "pipeline/topology.py", "pipeline/topology/ir.py"),
-    ("costs", "pipeline/costmodel/redistribute.py", "pipeline/costmodel/redistribute/plan.py"),
-    ("solve", "pipeline/solvers/ilp.py", "pipeline/solvers/ilp/highs.py"),
-    ("paper", "pipeline/paper.py", "pipeline/paper/figures.py"),
+@pytest.mark.parametrize("stage, imported, not_imported", [
+    # the solver layer runs in solve, not in the trace or topology
+    ("solve", "pipeline/solvers/trws.py", "pipeline/tools/shapes.py"),
+    ("costs", "pipeline/core/parallel.py", "pipeline/solvers/trws.py"),
+    ("costs", "pipeline/dtensor/placements.py", "pipeline/stages/report/picture.py"),
+    ("topology", "pipeline/stages/topology/extra_strategies.py", "pipeline/costmodel/comm.py"),
+    ("trace", "pipeline/stages/trace/stamp.py", "pipeline/stages/topology/pins.py"),
 ])
-def test_stage_code_hash_covers_a_module_split_into_a_package(tmp_path, stage, module,
-                                                               package_file):
-    """A stage's hash follows its code as a module and after the module became a package
-    (files at any depth of the package)."""
-    (tmp_path / module).parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / module).write_text("a = 1\n")
-    as_module = stage_code_hash(stage, root=tmp_path)
-    (tmp_path / module).unlink()
-    (tmp_path / package_file).parent.mkdir(parents=True, exist_ok=True)
-    (tmp_path / package_file).write_text("a = 1\n")
-    as_package = stage_code_hash(stage, root=tmp_path)
-    (tmp_path / package_file).write_text("a = 2\n")
-    assert len({as_module, as_package, stage_code_hash(stage, root=tmp_path)}) == 3
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert stage_code_hash(stage, root=empty) not in (as_module, as_package)
+def test_stage_code_hash_is_what_the_stage_imports(tmp_path, stage, imported, not_imported):
+    """Editing a module the stage imports (transitively, lazily too) moves its hash;
+    editing one it does not import leaves it."""
+    root = _tree_copy(tmp_path)
+    first = stage_code_hash(stage, root=root)
+    assert first == stage_code_hash(stage, root=root)
+    with (root / not_imported).open("a") as f:
+        f.write("\n# an edit\n")
+    assert stage_code_hash(stage, root=root) == first
+    with (root / imported).open("a") as f:
+        f.write("\n# an edit\n")
+    assert stage_code_hash(stage, root=root) != first
+
+
+def test_stage_code_hash_follows_a_new_import(tmp_path):
+    """A module that starts importing another brings it into the hash."""
+    root = _tree_copy(tmp_path)
+    before = stage_code_hash("trace", root=root)
+    with (root / "pipeline/tools/shapes.py").open("a") as f:
+        f.write("\n# an edit\n")
+    assert stage_code_hash("trace", root=root) == before
+    with (root / "pipeline/stages/trace/stamp.py").open("a") as f:
+        f.write("\ndef _probe():\n    from pipeline.tools import shapes  # noqa: F401\n")
+    added = stage_code_hash("trace", root=root)
+    assert added != before
+    with (root / "pipeline/tools/shapes.py").open("a") as f:
+        f.write("\n# another edit\n")
+    assert stage_code_hash("trace", root=root) != added
+    assert len(stage_code_hash("trace")) == 16
 
 
 # --------------------------------------------------------------------------- stage runs
@@ -587,7 +599,7 @@ def fake_stages(monkeypatch):
     calls: list[str] = []
 
     def fake(stage, cfg, dirs):
-        from pipeline.artifacts import stage_outputs
+        from pipeline.core.artifacts import stage_outputs
 
         calls.append(stage)
         time.sleep(0.01)
@@ -651,7 +663,7 @@ def test_stage_without_its_sentinel_fails(tmp_path, monkeypatch):
 
 _FAKE_MAIN = """
 import sys
-from pipeline import cli
+from pipeline.stages import runner as cli
 def fake(stage, cfg, dirs):
     p = cli.sentinel(dirs, stage); p.parent.mkdir(parents=True, exist_ok=True); p.write_text("x")
     if stage == "report":

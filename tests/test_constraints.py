@@ -3,7 +3,7 @@
 Expected values are worked out by hand from the toy model's shapes
 (conf/model/toy.yaml: dim 256, 2 layers, 8 heads, 4 KV heads -> head dim 32,
 KV width 128, SwiGLU hidden 768, vocab 1024) and the budget formula of
-pipeline/budget.py. The costs stage builds the budget row into the MRF; with eager
+pipeline/memory/budget.py. The costs stage builds the budget row into the MRF; with eager
 costs it is stored in ``factors.npz`` and an infeasible budget stops the costs stage.
 """
 
@@ -190,7 +190,7 @@ def test_no_budget_is_ddp_like(dp8: Path) -> None:
 
 @pytest.mark.toy_runs(("mesh=8", "lazy_costs=false"), ("mesh=8", "lazy_costs=true"))
 def test_eager_costs_store_the_budget_row(toy_results: ToyResults) -> None:
-    from pipeline.artifacts import load_factors
+    from pipeline.core.artifacts import load_factors
 
     toy_results.run("mesh=8", "lazy_costs=false")
     toy_results.run("mesh=8", "lazy_costs=true")

@@ -53,7 +53,7 @@ from pipeline.costmodel.redistribute import (
     redistribute_table,
     redistribute_us,
 )
-from pipeline.placements import parse_placements as pp
+from pipeline.dtensor.placements import parse_placements as pp
 
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[1]
@@ -534,7 +534,7 @@ def test_plans_match_dtensor_with_a_fake_process_group():
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
         from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
         from pipeline.costmodel.redistribute import plan
-        from pipeline.placements import parse_placements as pp
+        from pipeline.dtensor.placements import parse_placements as pp
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
         mesh = init_device_mesh("cpu", (2, 4))
         meta = TensorMeta(torch.Size([64, 64]), (64, 1), torch.float32)
@@ -603,7 +603,7 @@ def test_group_factors_equal_the_dense_sum_of_their_edges(toy_2x4, hw):
     dropped once read) equals, bit for bit, the dense ``[K_u, K_v]`` sum of its member
     edges' tables in graph-edge order from a cost model that memoises nothing; the memo
     is empty once every factor exists."""
-    from pipeline.costs import CostModel, FactorProvider, group_structure
+    from pipeline.stages.costs.stage import CostModel, FactorProvider, group_structure
 
     groups = group_structure(toy_2x4)
     lazy = FactorProvider(CostModel(toy_2x4, hw, memoise=True), groups)

@@ -25,7 +25,7 @@ from pipeline.costmodel.redistribute import (
     redistribute_us,
 )
 from pipeline.costmodel.redistribute.interner import PlacementInterner
-from pipeline.verify import dtensor_collectives
+from pipeline.verify.run import dtensor_collectives
 
 HW = HardwareConfig()
 S = 4096 * 4096 * 2

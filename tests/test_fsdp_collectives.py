@@ -28,9 +28,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from pipeline.costmodel.comm import mesh_collective_params
 from pipeline.costmodel.fsdp import CollectiveOptions, edge_policy, param_units
 from pipeline.costmodel.hardware import COLLECTIVES, HardwareConfig
-from pipeline.costs import TRANSITION_COST, CostModel, build_mrf
 from pipeline.memory.graph import step_graph
-from pipeline.topology import TopologyTables
+from pipeline.stages.costs.stage import TRANSITION_COST, CostModel, build_mrf
+from pipeline.stages.topology import TopologyTables
 
 TOY = dict(name="toy", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim_multiplier=1.0,
            multiple_of=256, ffn_hidden_overrides={}, rope_theta=500000.0, norm_eps=1e-5,

@@ -15,7 +15,7 @@ import pytest
 from fixtures import traced_topology
 from omegaconf import OmegaConf
 
-from pipeline.costs import CostModel, build_mrf
+from pipeline.stages.costs.stage import CostModel, build_mrf
 
 HW = OmegaConf.create({
     "name": "h100", "peak_flops_bf16": 989.0e12, "peak_flops_fp32": 67.0e12,
@@ -48,7 +48,7 @@ def _edge(toy, producer: str, consumer: str) -> int:
 
 
 def _entry(cm: CostModel, e: int, src: str, dst: str) -> float:
-    from pipeline.placements import format_placements
+    from pipeline.dtensor.placements import format_placements
 
     r, c, t = cm.edge_table(e)
     _, srcs = cm.out_classes(cm.edges[e][0], cm.edges[e][1])
@@ -117,7 +117,7 @@ def test_fusion_is_bounded_by_what_a_fused_kernel_moves(toy) -> None:
     at least the memory time of its output write (the bound of the module docstring)."""
     import json
 
-    from pipeline.placements import local_shape, parse_output, parse_placements
+    from pipeline.dtensor.placements import local_shape, parse_output, parse_placements
 
     on = CostModel(toy, HW, memoise=True, fuse_pointwise=True)
     off = CostModel(toy, HW, memoise=True)
@@ -148,8 +148,8 @@ def test_lazy_and_eager_fusion_agree_and_breakdown_adds_up(toy) -> None:
     """Lazy (memoised tables by edge class) and eager (one table per edge) MRFs with the
     term give the same energies; the breakdown's parts add up to the energy, and its
     fusion part is the difference to the MRF without the term."""
-    from pipeline.breakdown import plan_breakdown
-    from pipeline.costs import group_structure
+    from pipeline.costmodel.breakdown import plan_breakdown
+    from pipeline.stages.costs.stage import group_structure
 
     lazy = build_mrf(toy, HW, lazy=True, fuse_pointwise=True)
     eager = build_mrf(toy, HW, lazy=False, fuse_pointwise=True)

@@ -5,7 +5,7 @@ renders from hold every table page and figure with its caption.
 
 Chromium is the Debian package (``.ci/run`` installs it); without it the test fails
 with the reason, ``PLANNER_SKIP_BROWSER=1`` skips it. The runs page and the paper's table
-page are also checked by themselves (:mod:`pipeline.report_html`).
+page are also checked by themselves (:mod:`pipeline.stages.report.html`).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 from toy_sweep import CONFIGS, NAME, checkout_with_sweep
 
-from pipeline.report_html import PageError, main, markdown_page, runs_page
+from pipeline.stages.report.html import PageError, main, markdown_page, runs_page
 
 SKIP_ENV = "PLANNER_SKIP_BROWSER"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-#: By hand: the paper's figures and table (pipeline/paper/experiment.py, ARTIFACTS).
+#: By hand: the paper's figures and table (pipeline/tools/paper/experiment.py, ARTIFACTS).
 PAPER_FIGURES = ("fig_phases.png", "fig_peak_rss.png", "fig_depth.png", "fig_solvers.png",
                  "fig_plans.png", "fig_scale.png")
 PAPER_TABLES = ("eager_vs_lazy.html", "plans.html", "scale.html")

@@ -1,4 +1,4 @@
-"""The graph IR's JSON helpers (pipeline/ir.py), on values worked out by hand, and
+"""The graph IR's JSON helpers (pipeline/core/ir.py), on values worked out by hand, and
 ``resolve_op`` against the targets torch itself puts in a traced graph."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from pipeline.ir import (
+from pipeline.core.ir import (
     TENSOR_REF_RE,
     decode_shared,
     decode_value,

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from pipeline import cli
 from pipeline.config import ConfigError, load_resolved
 from pipeline.costmodel.comm import (
     GroupLayout,
@@ -35,6 +34,7 @@ from pipeline.costmodel.comm import (
     reduce_scatter_us,
 )
 from pipeline.costmodel.hardware import COLLECTIVES, HardwareConfig, LinkConfig, load_hardware
+from pipeline.stages import runner as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = ("a100", "h100", "h200", "b200")

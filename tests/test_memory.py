@@ -35,7 +35,7 @@ from pipeline.memory import (
     step_graph,
     walk,
 )
-from pipeline.topology import TopologyTables, read_topology
+from pipeline.stages.topology import TopologyTables, read_topology
 
 # The toy model of conf/model/toy.yaml with a short step (2 x 64 tokens) so it runs on
 # CPU in well under a second.
@@ -51,8 +51,8 @@ TOY_PARAMS = (
 
 
 def _topology(tmp: Path, model: dict, mesh: tuple[int, ...]) -> TopologyTables:
-    from pipeline.topology import build_topology, device_mesh, load_nodes, write_topology
-    from pipeline.trace import trace_model
+    from pipeline.stages.topology import build_topology, device_mesh, load_nodes, write_topology
+    from pipeline.stages.trace.stage import trace_model
 
     table, _ = trace_model(model, math.prod(mesh))
     names = ("dp", "tp", "cp")[:len(mesh)]
@@ -80,7 +80,7 @@ def _gpu_like_cpu_ops() -> Iterator[None]:
     """Make eager CPU autograd take the ops the (meta) trace records, as on a GPU.
 
     The model calls ``aten._scaled_dot_product_flash_attention`` (CUDA and meta kernels
-    only): :func:`pipeline.cpu_kernels.cpu_kernels` gives it a CPU kernel with the same
+    only): :func:`pipeline.dtensor.cpu_kernels.cpu_kernels` gives it a CPU kernel with the same
     outputs. ``F.rms_norm`` reaches the fused ``aten._fused_rms_norm`` on CUDA and meta
     but its composite on CPU (which saves other tensors): the model's call is routed to
     the fused op, with a CPU kernel. Autograd then saves what the derivative formulas of
@@ -88,7 +88,7 @@ def _gpu_like_cpu_ops() -> Iterator[None]:
     """
     import torch.nn.functional as F
 
-    from pipeline.cpu_kernels import cpu_kernels
+    from pipeline.dtensor.cpu_kernels import cpu_kernels
 
     def fused_rms(x: torch.Tensor, shape: list[int], w: torch.Tensor | None,
                   eps: float | None) -> tuple:
@@ -412,12 +412,12 @@ def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) 
     from dataclasses import replace
 
     from pipeline.costmodel.hardware import load_hardware
-    from pipeline.costs import build_mrf, group_structure
     from pipeline.memory import memory_model
     from pipeline.memory.constraint import fit_plan
     from pipeline.solvers.ilp import solve_ilp
     from pipeline.solvers.lagrangian import solve_with_rows
     from pipeline.solvers.trws import solve_trws
+    from pipeline.stages.costs.stage import build_mrf, group_structure
 
     hw = load_hardware(str(Path(__file__).resolve().parents[1] / "conf/hardware/h100.yaml"))
     mrf = build_mrf(toy8, hw, lazy=True).mrf
@@ -456,10 +456,10 @@ def test_checkpointing_pays_the_recomputed_forward_again(toy8: TopologyTables) -
     """``full``: each repeated layer's forward ops (weight casts and gathers aside) and
     the redistributions into them are paid twice; lazy and eager costs agree bit for
     bit."""
-    from pipeline.breakdown import plan_breakdown
+    from pipeline.costmodel.breakdown import plan_breakdown
     from pipeline.costmodel.hardware import load_hardware
     from pipeline.costmodel.redistribute import redistribute_us
-    from pipeline.costs import build_mrf, group_structure, itemsize
+    from pipeline.stages.costs.stage import build_mrf, group_structure, itemsize
 
     hw = load_hardware(str(Path(__file__).resolve().parents[1] / "conf/hardware/h100.yaml"))
     plain = build_mrf(toy8, hw, lazy=True, memory=MemoryOptions())
@@ -499,8 +499,8 @@ def test_checkpointing_pays_the_recomputed_forward_again(toy8: TopologyTables) -
 def test_peak_row_prices_what_is_live_at_the_peak(toy8: TopologyTables) -> None:
     """The cut of the liveness check, evaluated at the plan it was made from, is that
     plan's peak (every live allocation, priced by its node's strategy)."""
-    from pipeline.costs import group_structure
     from pipeline.memory import memory_model
+    from pipeline.stages.costs.stage import group_structure
 
     gs = group_structure(toy8)
     rng = np.random.default_rng(2)

@@ -82,7 +82,7 @@ pytest.importorskip("transformers")
 _JOB_SCRIPT = textwrap.dedent("""
     import json, sys
     from pipeline.__main__ import run_pipeline
-    from pipeline.cli import run_stage
+    from pipeline.stages.runner import run_stage
     from pipeline.config import load_resolved, stage_dirs
     base, results_dir, extra = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
     out = {}
@@ -215,7 +215,7 @@ def _dtensor_check(dirs: dict[str, str]) -> tuple[int, list, list]:
     sys.path.insert(0, str(Path(__file__).parent))
     from test_pipeline import DTensorChecker
 
-    from pipeline.topology import read_topology
+    from pipeline.stages.topology import read_topology
 
     tt = read_topology(Path(dirs["topology"]))
     checker = DTensorChecker(tt)
@@ -339,7 +339,7 @@ def test_tracing_state_is_what_transformers_looks_for() -> None:
     values; the capture runs in torch.export's compiling state."""
     from transformers.utils.import_utils import is_tracing
 
-    from pipeline.trace import export_tracing_state
+    from pipeline.stages.trace.stage import export_tracing_state
 
     assert not is_tracing()
     with export_tracing_state():
@@ -373,7 +373,7 @@ def test_seq2seq_t5_trace() -> None:
     from omegaconf import OmegaConf
 
     from pipeline.config import load_resolved
-    from pipeline.trace import trace_model
+    from pipeline.stages.trace.stage import trace_model
 
     cfg = load_resolved(["model=hf", "model.model_type=t5", "model.task=seq2seq",
                          "model.config.num_layers=2", "model.config.d_model=16",

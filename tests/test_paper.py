@@ -1,4 +1,4 @@
-"""The paper (pipeline/paper/, workflow/rules/paper.smk): experiments compose into run
+"""The paper (pipeline/tools/paper/, workflow/rules/paper.smk): experiments compose into run
 sets, the eager-vs-lazy table and the figures from a synthetic runs table with known
 numbers, provenance of every artifact, the Snakemake DAG of `snakemake paper`, and one
 small end-to-end paper from two real toy runs.
@@ -20,8 +20,8 @@ import pytest
 from fixtures import ToyResults, snakemake
 from omegaconf import OmegaConf
 
-from pipeline import paper
 from pipeline.config import ConfigError, config_hash, load_resolved, stage_dirs
+from pipeline.tools import paper
 
 ROOT = Path(__file__).resolve().parent.parent
 GIT = "0123456789abcdef0123456789abcdef01234567"
@@ -315,11 +315,11 @@ def test_snakemake_paper_bad_experiment_is_one_line(tmp_path):
 
 
 def test_python_m_pipeline_paper_bad_experiment_is_one_line(tmp_path):
-    """The real ``python -m pipeline.paper`` (the package's ``__main__``): exit 2, one
+    """The real ``python -m pipeline.tools.paper`` (the package's ``__main__``): exit 2, one
     line on stderr, nothing written."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), env.get("PYTHONPATH")] if p)
-    proc = subprocess.run([sys.executable, "-m", "pipeline.paper", "--no-run",
+    proc = subprocess.run([sys.executable, "-m", "pipeline.tools.paper", "--no-run",
                            "experiment=nope"], cwd=tmp_path, capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""

@@ -1,6 +1,6 @@
 """Property-based: ``build_paper`` on runs tables with missing optional columns, null and
 NaN values and mixed revision labels writes its artifacts or fails with one
-:class:`~pipeline.paper.PaperError` line, never another exception."""
+:class:`~pipeline.tools.paper.PaperError` line, never another exception."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from test_paper import synthetic_runs
 
-from pipeline import paper
+from pipeline.tools import paper
 
 #: Columns of a runs-table row the paper reads but a record may lack (an older record, a
 #: solver that reports no gap, a run without a revision label).

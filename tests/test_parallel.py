@@ -1,4 +1,4 @@
-"""Forked workers (pipeline/parallel.py) and the two phases that use them: the DTensor
+"""Forked workers (pipeline/core/parallel.py) and the two phases that use them: the DTensor
 strategies of distinct op signatures (topology) and the pairwise group factors (costs).
 Parallel results must equal the serial ones exactly."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.parallel import WorkerError, balanced_chunks, map_chunks, resolve_workers
+from pipeline.core.parallel import WorkerError, balanced_chunks, map_chunks, resolve_workers
 
 
 def test_balanced_chunks_longest_first_by_hand() -> None:
@@ -73,8 +73,8 @@ def toy_graph() -> object:
     from omegaconf import OmegaConf
 
     from pipeline.config.compose import load_resolved
-    from pipeline.topology import load_nodes
-    from pipeline.trace import trace_model
+    from pipeline.stages.topology import load_nodes
+    from pipeline.stages.trace.stage import trace_model
 
     cfg = load_resolved(["model=toy", "mesh=2x4x8"])
     table, _ = trace_model(OmegaConf.to_container(cfg.model, resolve=True), 64)
@@ -82,7 +82,7 @@ def toy_graph() -> object:
 
 
 def _topology(cfg: object, nodes: list, out: Path, workers: int) -> object:
-    from pipeline.topology import build_topology, device_mesh, read_topology, write_topology
+    from pipeline.stages.topology import build_topology, device_mesh, read_topology, write_topology
 
     mesh, names = (2, 4, 8), ("dp", "cp", "tp")
     topo = build_topology(nodes, device_mesh(mesh, names), mesh, names,
@@ -92,7 +92,7 @@ def _topology(cfg: object, nodes: list, out: Path, workers: int) -> object:
 
 
 def test_parallel_topology_and_factors_equal_serial(toy_graph: object, tmp_path: Path) -> None:
-    from pipeline import costs as C
+    from pipeline.stages.costs import stage as C
 
     cfg, nodes = toy_graph
     serial = _topology(cfg, nodes, tmp_path / "w1", 1)
@@ -120,9 +120,9 @@ def test_parallel_topology_and_factors_equal_serial(toy_graph: object, tmp_path:
 
 
 def test_prefetch_fills_the_memo_with_the_serial_strategies(toy_graph: object) -> None:
-    from pipeline.placements import format_placements, format_strategy_output
-    from pipeline.topology import device_mesh
-    from pipeline.topology.strategies import StrategyEnumerator
+    from pipeline.dtensor.placements import format_placements, format_strategy_output
+    from pipeline.stages.topology import device_mesh
+    from pipeline.stages.topology.strategies import StrategyEnumerator
 
     _, nodes = toy_graph
     mesh = device_mesh((2, 4, 8), ("dp", "cp", "tp"))
@@ -152,7 +152,7 @@ def test_a_mask_partial_survives_the_way_back_from_a_worker() -> None:
     import torch
     from torch.distributed.tensor.placement_types import MaskBuffer, Replicate, _MaskPartial
 
-    from pipeline.topology.strategies import StrategyList, _portable, _restored
+    from pipeline.stages.topology.strategies import StrategyList, _portable, _restored
 
     buf = MaskBuffer()
     mp = _MaskPartial("sum", buf, torch.Size([1024, 256]), 0)
@@ -176,8 +176,8 @@ PICTURE_RUNS = (("mesh=8", "lazy_costs=true"), ("mesh=2x4", "lazy_costs=true"))
 
 @pytest.mark.toy_runs(*PICTURE_RUNS)
 def test_plan_pictures_drawn_in_two_processes(toy_results: object, tmp_path: Path) -> None:
-    from pipeline.artifacts import PLAN_PICTURE, PLAN_SVG
-    from pipeline.plan_picture import draw_plan_pictures, is_current
+    from pipeline.core.artifacts import PLAN_PICTURE, PLAN_SVG
+    from pipeline.stages.report.picture import draw_plan_pictures, is_current
 
     solve_dirs = [Path(toy_results.copy_run(tmp_path / "results", *r).solve)
                   for r in PICTURE_RUNS]

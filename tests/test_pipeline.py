@@ -26,7 +26,7 @@ process watching its imports, llama1b's topology) go through the same pool with 
 own results directories. The 2x4x8 cases are listed in :data:`MESHES_2X4X8` (about one
 minute per cost mode) and marked ``slow``.
 
-``test_eager_factors_load_once`` checks that ``pipeline.costs.load_factors`` keeps
+``test_eager_factors_load_once`` checks that ``pipeline.stages.costs.stage.load_factors`` keeps
 each array of ``factors.npz`` once. Should it again keep a full copy of the archive per
 factor (:data:`LOAD_FACTORS_COPIES_ARCHIVE`, probed on a small synthetic MRF), that
 test fails, and the eager 2x4x8 run is not started (it would be OOM-killed): the
@@ -75,9 +75,9 @@ def _retained_bytes(arrays: list) -> int:
 
 
 def load_factors_overhead(path: Path) -> float:
-    """Bytes kept alive by ``pipeline.costs.load_factors(path)`` over the bytes of the
+    """Bytes kept alive by ``pipeline.stages.costs.stage.load_factors(path)`` over the bytes of the
     factors themselves (1.0 when every array of the archive is held once)."""
-    from pipeline.costs import load_factors
+    from pipeline.stages.costs.stage import load_factors
 
     mrf = load_factors(path)
     arrays = list(mrf.unary)
@@ -95,8 +95,8 @@ def _probe_load_factors() -> float:
 
     import numpy as np
 
-    from pipeline.costs import load_factors, save_factors
     from pipeline.solvers.mrf import MRF, PairwiseFactor
+    from pipeline.stages.costs.stage import load_factors, save_factors
 
     rng = np.random.default_rng(0)
     k, groups = 20, 31
@@ -118,7 +118,7 @@ def _probe_load_factors() -> float:
         return load_factors_overhead(path)
 
 
-#: Whether pipeline.costs.load_factors keeps a copy of the whole archive per factor
+#: Whether pipeline.stages.costs.stage.load_factors keeps a copy of the whole archive per factor
 #: (as it did when it indexed the lazy ``np.load`` archive inside its loop: the eager
 #: 2x4x8 solve then needs ~35 GB, OOM). While this holds, test_eager_factors_load_once
 #: fails, and the eager 2x4x8 run is not started. A probe that raises counts as a copy
@@ -127,7 +127,8 @@ try:
     LOAD_FACTORS_COPIES_ARCHIVE = _probe_load_factors() > 2.0
 except Exception:  # noqa: BLE001 - collection must go on; test_eager_factors_load_once raises it
     LOAD_FACTORS_COPIES_ARCHIVE = True
-LOAD_FACTORS_REASON = ("pipeline.costs.load_factors re-reads whole arrays of factors.npz "
+LOAD_FACTORS_REASON = ("pipeline.stages.costs.stage.load_factors re-reads whole arrays of "
+                       "factors.npz "
                        "for every factor (z['table'] inside the loop), so the eager 2x4x8 "
                        "solve needs tens of GB and is OOM-killed")
 
@@ -167,7 +168,7 @@ _NO_PULP_SCRIPT = textwrap.dedent("""
 _REPEATED_SCRIPT = textwrap.dedent("""
     import json, sys
     from pipeline.config import load_resolved, stage_dirs
-    from pipeline.cli import run_stage
+    from pipeline.stages.runner import run_stage
     results_dir, name = sys.argv[1:3]
     overrides = {
         "llama1b": ["model=llama1b", "mesh=8"],
@@ -246,7 +247,7 @@ _TOPOLOGIES: dict[str, Any] = {}
 
 
 def topology_of(run: Run) -> Any:
-    from pipeline.topology import read_topology
+    from pipeline.stages.topology import read_topology
 
     key = str(run.dirs.topology)
     if key not in _TOPOLOGIES:
@@ -331,7 +332,7 @@ _SOFTMAX = {"aten._log_softmax.default": (1, 2), "aten._log_softmax_backward_dat
 def _is_elementwise(op: str) -> bool:
     import torch
 
-    from pipeline.ir import resolve_op
+    from pipeline.core.ir import resolve_op
 
     if op == "aten._to_copy.default":
         return True
@@ -341,7 +342,7 @@ def _is_elementwise(op: str) -> bool:
 
 def evaluate_plan(plan: list[dict], tt: Any, mesh: tuple[int, ...], hw: Any,
                   fuse: bool = True) -> Evaluation:
-    """E(x) of a plan (the objective of pipeline/costs.py), from its placements and the
+    """E(x) of a plan (the objective of pipeline/stages/costs/stage.py), from its placements and the
     topology's shapes only.
 
     Compute: roofline on the local shapes (inputs read + outputs written), 0 for
@@ -361,7 +362,7 @@ def evaluate_plan(plan: list[dict], tt: Any, mesh: tuple[int, ...], hw: Any,
     from pipeline.costmodel.comm import mesh_collective_us
     from pipeline.costmodel.compute import is_view_op, op_flops, roofline_us
     from pipeline.costmodel.redistribute import redistribute_us
-    from pipeline.placements import parse_placements
+    from pipeline.dtensor.placements import parse_placements
 
     nd = len(mesh)
     nodes = tt.nodes
@@ -504,7 +505,7 @@ def _fsdp_policy(tt: Any) -> tuple[list[int], list[float], list[int]]:
 
 def _add_fusion(fusion: list[float], plan: list[dict], tt: Any, mesh: tuple[int, ...],
                 hw: Any, texts: list[tuple[str, str]]) -> None:
-    from pipeline.placements import parse_placements
+    from pipeline.dtensor.placements import parse_placements
 
     nd = len(mesh)
     nodes, e = tt.nodes, tt.edges
@@ -664,7 +665,7 @@ class _NotApplicable(Exception):
 def _fmt_spec(spec: Any) -> str:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-    from pipeline.placements import format_placements
+    from pipeline.dtensor.placements import format_placements
 
     if spec is None:
         return "-"
@@ -679,8 +680,8 @@ class DTensorChecker:
     def __init__(self, tt: Any) -> None:
         from torch.distributed.tensor import DTensor
 
-        from pipeline.topology import device_mesh
-        from pipeline.trace import fake_process_group
+        from pipeline.stages.topology import device_mesh
+        from pipeline.stages.trace.stage import fake_process_group
 
         self.tt = tt
         self.mesh_shape = tuple(int(m) for m in tt.summary["mesh"])
@@ -693,7 +694,7 @@ class DTensorChecker:
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
         from torch.distributed.tensor._op_schema import OpSchema
 
-        from pipeline.placements import parse_placements
+        from pipeline.dtensor.placements import parse_placements
 
         n = self.tt.nodes
         pkt, overload = n["target"][node].split(".")[1:]
@@ -754,14 +755,14 @@ class DTensorChecker:
         if self._is_extra(node, output, inputs):
             # context-parallel attention / vocab-parallel cross-entropy: not DTensor's,
             # exact by tests/test_strategies_cp_loss.py
-            return "extra", f"pipeline/topology/extra_strategies.py ({got} <- {wanted})"
+            return "extra", f"pipeline/stages/topology/extra_strategies.py ({got} <- {wanted})"
         return "bad", (f"propagation gives {got} and wants inputs {wanted}; strategy "
                        f"function: {detail}")
 
     def _is_extra(self, node: int, output: str, inputs: list[str]) -> bool:
         """Whether (output, inputs) is one of the strategies the topology appends to
         DTensor's for this op (an op of ``EXTRA_RULES``, and in its strategy list)."""
-        from pipeline.topology.extra_strategies import EXTRA_RULES
+        from pipeline.stages.topology.extra_strategies import EXTRA_RULES
 
         n = self.tt.nodes
         if n["target"][node] not in EXTRA_RULES:
@@ -837,7 +838,7 @@ def test_plan_ties_and_constraints(toy_results: ToyResults, mesh: str) -> None:
 
 
 def check_plan_ties_and_constraints(toy: ToyResults, mesh: str) -> None:
-    from pipeline.placements import parse_output, parse_placements
+    from pipeline.dtensor.placements import parse_output, parse_placements
 
     run = get_run(toy, mesh, "lazy")
     tt = topology_of(run)
@@ -1100,8 +1101,8 @@ def report(request: pytest.FixtureRequest, toy_results: ToyResults,
     """The report over exactly the toy runs of ``REPORT_RUNS[param]``: the shared runs,
     copied into a results directory of their own, then the report stage there. (A
     row's ``solve_dir`` is the one its run record names: where the run was solved.)"""
-    from pipeline.cli import run_stage
     from pipeline.config import stage_dirs
+    from pipeline.stages.runner import run_stage
 
     wanted = REPORT_RUNS[request.param]
     root = tmp_path_factory.mktemp(f"report-{request.param}") / "results"

@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import (
     _StridedShard,
 )
 
-from pipeline.placements import (
+from pipeline.dtensor.placements import (
     REDUCE_OPS,
     format_output,
     format_placement,

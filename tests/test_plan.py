@@ -1,4 +1,4 @@
-"""The plan file (pipeline/plan.py) and the exports of pipeline/apply/.
+"""The plan file (pipeline/plan/format.py) and the exports of pipeline/apply/.
 
 A tiny toy is solved once in this process (mesh 2x2, dp x tp); the plan it writes is
 checked against the solve stage's own tables, then edited in every way ``load`` must
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pipeline.config import load_resolved, stage_dirs
-from pipeline.plan import (
+from pipeline.plan.format import (
     PLAN_VERSION,
     Plan,
     PlanFileError,
@@ -36,7 +36,7 @@ TINY = ("model=toy", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2",
 
 
 def _solve(results: Path, *extra: str):
-    from pipeline.cli import run_stage
+    from pipeline.stages.runner import run_stage
 
     cfg = load_resolved([*TINY, f"results_dir={results}", *extra])
     dirs = stage_dirs(cfg)
@@ -53,7 +53,7 @@ def run(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _model(cfg):
-    from pipeline.verify import build_real_model
+    from pipeline.verify.run import build_real_model
 
     return build_real_model(dict(cfg.model), 0)
 
@@ -192,7 +192,7 @@ def test_load_refuses_a_truncated_or_missing_file(run, tmp_path: Path) -> None:
 
 def test_load_refuses_another_model_mesh_trace_or_process_count(run) -> None:
     _, cfg, dirs, path = run
-    from pipeline.verify import build_real_model
+    from pipeline.verify.run import build_real_model
 
     other = build_real_model({**dict(cfg.model), "dim": 64}, 0)
     with pytest.raises(PlanFileError, match="belongs to another model"):
@@ -249,7 +249,7 @@ def test_distribute_state_dict_gives_the_planned_local_shapes(run) -> None:
     """Meta tensors become empty DTensors of the planned local shapes (fake process
     group, rank 0): worked out from each parameter's shape and placement."""
     from pipeline.apply import distribute_state_dict
-    from pipeline.topology import device_mesh
+    from pipeline.stages.topology import device_mesh
 
     _, cfg, _, path = run
     plan = load(path)
@@ -273,8 +273,8 @@ def test_torch_styles_agree_with_the_runs_redistributions(run) -> None:
     before use; one read as tensor parallel over a dim is never gathered on it; a
     Colwise weight is stored S(0) and a Rowwise one S(1) there."""
     from pipeline.apply import torch_styles
-    from pipeline.placements import format_placements
-    from pipeline.topology import load_nodes
+    from pipeline.dtensor.placements import format_placements
+    from pipeline.stages.topology import load_nodes
 
     _, _, dirs, path = run
     plan = load(path)

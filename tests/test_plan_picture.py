@@ -1,4 +1,4 @@
-"""The picture of a plan (pipeline/plan_picture.py): its drawing model against the run's
+"""The picture of a plan (pipeline/stages/report/picture.py): its drawing model against the run's
 own tables (the layer's redistributions are exactly the rows of redistributions.parquet
 whose consumer is in the layer; placements as in solution.parquet and plan.json; totals
 as in run.json), the PNG and SVG files, the report step's hook and the CLI."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import plan_picture
-from pipeline.artifacts import PLAN_PICTURE, PLAN_SVG, SENTINELS
+from pipeline.core.artifacts import PLAN_PICTURE, PLAN_SVG, SENTINELS
+from pipeline.stages.report import picture as plan_picture
 
 TOY_2X4 = ("mesh=2x4", "lazy_costs=true")
 
@@ -95,7 +95,7 @@ def test_drawing_model_is_the_runs_tables(toy_results) -> None:
 
 @pytest.mark.toy_runs(TOY_2X4)
 def test_picture_files_and_the_report_hook(toy_results, tmp_path: Path) -> None:
-    from pipeline.report import run_report
+    from pipeline.stages.report.stage import run_report
 
     dirs = toy_results.copy_run(tmp_path / "results", *TOY_2X4)
     solve = Path(dirs.solve)

@@ -1,4 +1,4 @@
-"""``python -m pipeline.profile``: the reference harness's flags map to Hydra overrides,
+"""``python -m pipeline.tools.profile``: the reference harness's flags map to Hydra overrides,
 bad flags and values fail in one line with exit 2 and write nothing, and a profile of a
 toy run has the same placement hash as ``python -m pipeline`` of the same config, with
 the provenance fields the issue asks for.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import profile
 from pipeline.config import load_resolved
+from pipeline.tools import profile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,18 +41,18 @@ def test_flags_map_to_hydra_overrides():
 
 BAD = [
     (["--model", "gpt", "--solver", "approx", "--output", "{out}"],
-     "python -m pipeline.profile: argument --model: invalid choice: 'gpt' (choose from "
+     "python -m pipeline.tools.profile: argument --model: invalid choice: 'gpt' (choose from "
      "'llama1b', 'llama70b', 'llama8b', 'toy')"),
     (["--model", "toy", "--solver", "approx"],
-     "python -m pipeline.profile: the following arguments are required: --output"),
+     "python -m pipeline.tools.profile: the following arguments are required: --output"),
     (["--model", "toy", "--solver", "greedy", "--output", "{out}"],
-     "python -m pipeline.profile: argument --solver: invalid choice: 'greedy' (choose from "
+     "python -m pipeline.tools.profile: argument --solver: invalid choice: 'greedy' (choose from "
      "'approx', 'ilp', 'lp')"),
     (["--model", "toy", "--solver", "approx", "--lazy-costs", "maybe", "--output", "{out}"],
-     "python -m pipeline.profile: argument --lazy-costs: invalid choice: 'maybe' (choose "
+     "python -m pipeline.tools.profile: argument --lazy-costs: invalid choice: 'maybe' (choose "
      "from 'true', 'false')"),
     (["--model", "toy", "--solver", "approx", "--output", "{out}", "--verbose"],
-     "python -m pipeline.profile: unrecognized arguments: --verbose"),
+     "python -m pipeline.tools.profile: unrecognized arguments: --verbose"),
     (["--model", "toy", "--solver", "approx", "--mesh", "2,0,8", "--output", "{out}"],
      "mesh=2,0,8: allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"),
     (["--model", "toy", "--solver", "ilp", "--lazy-costs", "true", "--output", "{out}"],
@@ -82,7 +82,7 @@ def test_bad_flags_fail_in_one_line_and_write_nothing(argv, message, tmp_path, m
 
 def test_bad_flags_through_the_real_interpreter(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.profile", "--model", "toy", "--solver", "approx",
+        [sys.executable, "-m", "pipeline.tools.profile", "--model", "toy", "--solver", "approx",
          "--output", str(tmp_path / "o.json"), "--lazy-costs", "yes"],
         capture_output=True, text=True, cwd=tmp_path, timeout=120,
         env={**os.environ, "PYTHONPATH": str(ROOT)})

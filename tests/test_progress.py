@@ -1,4 +1,4 @@
-"""Progress bars (pipeline/progress.py): drawn on a terminal, silent everywhere else,
+"""Progress bars (pipeline/core/progress.py): drawn on a terminal, silent everywhere else,
 ``PIPELINE_PROGRESS`` overrides, and bars never change a result.
 
 A "terminal" is either a text buffer whose ``isatty()`` says True (in-process checks) or a
@@ -25,10 +25,11 @@ import pytest
 from fixtures import SEED, own_jobs_dir
 from mrf_gen import random_edges, random_mrf
 
-from pipeline import bench, progress
+from pipeline.core import progress
 from pipeline.solvers.lagrangian import row_value, solve_with_row
 from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor
 from pipeline.solvers.trws import solve_trws
+from pipeline.tools import bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -173,7 +174,7 @@ def test_lagrangian_reports_every_inner_solve_and_changes_nothing():
 
 _PIPELINE_SCRIPT = textwrap.dedent("""
     import sys
-    from pipeline import progress
+    from pipeline.core import progress
     progress.DELAY = 0.0  # the toy's phases end before the default delay
     from pipeline.__main__ import run_pipeline
     from pipeline.config import load_resolved

@@ -1,4 +1,4 @@
-"""Recipes (config ``recipe``, pipeline/topology/pins.py): each pins the placements it
+"""Recipes (config ``recipe``, pipeline/stages/topology/pins.py): each pins the placements it
 promises on the toy model, costs no less than the free planner under the same cost
 model, and a bad or inapplicable recipe fails in one line before anything is written."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.topology.pins import RECIPES, recipe_dim_roles
+from pipeline.stages.topology.pins import RECIPES, recipe_dim_roles
 
 MESH = ("mesh=2x4", "mesh_names=[dp,tp]")
 FREE = (*MESH, "constraints.param_memory=null")  # recipes with the default inputs S(0)R
@@ -112,7 +112,7 @@ def test_recipes_report(toy_results: object, tmp_path: Path) -> None:
     """recipes.parquet pairs every recipe run with each planner run of the same cost
     model (here the default budget and no budget), with the ratios of their objectives
     and step times."""
-    from pipeline.report import run_report
+    from pipeline.stages.report.stage import run_report
 
     runs = [toy_results.run(*o) for o in (*RECIPE_RUNS, FREE, MESH)]  # type: ignore
     root = Path(toy_results.root)  # type: ignore[attr-defined]
@@ -179,7 +179,7 @@ def test_plans_table() -> None:
     is not compared."""
     import pandas as pd
 
-    from pipeline.paper.tables import plans_markdown, plans_table
+    from pipeline.tools.paper.tables import plans_markdown, plans_table
 
     def cfg(model: str, budget: object) -> str:
         return json.dumps({"model": {"name": model}, "mesh": [2, 4], "hardware": {"n": 1},

@@ -33,7 +33,7 @@ from pipeline.costmodel.redistribute import (
     tables,
 )
 from pipeline.costmodel.redistribute.steps import category
-from pipeline.placements import parse_placements as pp
+from pipeline.dtensor.placements import parse_placements as pp
 
 MP = "MP(0,128x2)"
 

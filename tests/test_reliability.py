@@ -24,8 +24,9 @@ import pyarrow.parquet as pq
 import pytest
 from fixtures import ROOT, SNAKEFILE, child_env
 
-from pipeline import artifacts, cli
 from pipeline.config import STAGES, ConfigError, load_resolved, stage_dirs
+from pipeline.core import artifacts
+from pipeline.stages import runner as cli
 
 STRICT = {"parse_constant": lambda c: (_ for _ in ()).throw(ValueError(f"non-strict {c}"))}
 
@@ -204,7 +205,7 @@ def test_a_damaged_artifact_is_rebuilt(tmp_path, monkeypatch, fake_stages, caplo
         path.write_bytes(good[::-1])
     else:
         path.unlink()
-    with caplog.at_level(logging.INFO, logger="pipeline.cli"):
+    with caplog.at_level(logging.INFO, logger="pipeline.stages.runner"):
         run_pipeline(cfg)
     assert fake_stages == [*rerun, "report"]
     assert path.read_bytes() == good
@@ -279,13 +280,13 @@ def test_a_read_only_results_tree_serves_a_cached_run(tmp_path, monkeypatch, fak
         raise OSError(errno.EROFS, "Read-only file system", str(directory / ".lock"))
 
     monkeypatch.setattr(cli, "_open_lock", read_only)
-    with caplog.at_level(logging.INFO, logger="pipeline.cli"):
+    with caplog.at_level(logging.INFO, logger="pipeline.stages.runner"):
         run_pipeline(cfg)
     assert fake_stages == []
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before
     assert f"report: {dirs.report} is read-only; keeping its tables" in caplog.messages
     # a stage that has to run says so in one line
-    from pipeline.errors import PlanError
+    from pipeline.core.errors import PlanError
 
     other = load_resolved(["model=toy", "mesh=8"])
     with pytest.raises(PlanError) as err:
@@ -320,7 +321,7 @@ def test_a_truncated_graph_is_retraced_by_python_m_pipeline(tmp_path, toy_result
 
 @pytest.mark.toy_runs(("mesh=8",), ("mesh=2x4",))
 def test_the_report_skips_untrusted_run_records(tmp_path, toy_results, caplog):
-    from pipeline.report import run_report
+    from pipeline.stages.report.stage import run_report
 
     root = tmp_path / "results"
     good = toy_results.copy_run(root, "mesh=2x4")
@@ -555,7 +556,7 @@ def test_the_problem_size_is_counted_from_the_topology(toy_results):
     """Labels and class pairs by brute force over the topology tables."""
     import collections
 
-    from pipeline.problem_size import BASE_BYTES, estimate
+    from pipeline.stages.costs.problem_size import BASE_BYTES, estimate
 
     d = Path(toy_results.run("mesh=2x4").dirs.topology)
     nodes = pq.read_table(d / "nodes.parquet").to_pylist()
@@ -619,12 +620,12 @@ def test_the_problem_size_is_counted_from_the_topology(toy_results):
 
 
 def test_a_problem_above_max_memory_is_refused_in_one_line(tmp_path, monkeypatch):
-    from pipeline.errors import PlanError
-    from pipeline.problem_size import ProblemSize
+    from pipeline.core.errors import PlanError
+    from pipeline.stages.costs.problem_size import ProblemSize
 
     big = ProblemSize(labels=499_592, class_pairs=10**9, group_edges=401,
                       message_labels=10**6, group_pairs=2 * 10**9, largest_table=10**7)
-    monkeypatch.setattr("pipeline.problem_size.estimate", lambda d: big)
+    monkeypatch.setattr("pipeline.stages.costs.problem_size.estimate", lambda d: big)
     cfg = load_resolved(["model=toy", "solver.max_memory=4GiB"])
     with pytest.raises(PlanError) as err:
         cli.check_problem_size(cfg, stage_dirs(cfg))
@@ -649,7 +650,7 @@ def test_python_m_pipeline_refuses_a_problem_above_max_memory(tmp_path, toy_resu
                   "solver.max_memory=100MiB", f"results_dir={tmp_path / 'results'}")
     assert proc.returncode == 2, proc.stderr[-3000:]
     from pipeline.memory.options import format_bytes
-    from pipeline.problem_size import estimate
+    from pipeline.stages.costs.problem_size import estimate
 
     size = estimate(dirs.topology)
     line = proc.stderr.strip().splitlines()[-1]
@@ -665,7 +666,7 @@ LINEAR_4D = ["model=custom", "model.builder._target_=torch.nn.Linear",
              "model.builder.in_features=16", "model.builder.out_features=32",
              "model.inputs=[{name:x,shape:[16,16],dtype:float32}]", "mesh=2,2,2,2",
              "mesh_names=[pp,dp,cp,tp]", "solver.max_memory=10GiB"]
-#: The estimate of :mod:`pipeline.problem_size` against a run's measured peak RSS.
+#: The estimate of :mod:`pipeline.stages.costs.problem_size` against a run's measured peak RSS.
 ESTIMATE_RTOL = 0.3
 
 
@@ -673,7 +674,7 @@ def test_a_4d_mesh_plans_within_its_estimate(tmp_path):
     """A 4-d mesh plans end to end (lazy costs, TRW-S certifies its plan) and the
     problem-size estimate is within ESTIMATE_RTOL of the run's peak RSS, measured by
     ``resource`` in a fresh parent of the run (its ``RUSAGE_CHILDREN`` holds only it)."""
-    from pipeline.problem_size import estimate
+    from pipeline.stages.costs.problem_size import estimate
 
     results = tmp_path / "results"
     measure = ("import resource, subprocess, sys; "

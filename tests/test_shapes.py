@@ -1,4 +1,4 @@
-"""The mesh-shape sweep (pipeline/shapes.py): the factorisations against hand-made lists
+"""The mesh-shape sweep (pipeline/tools/shapes.py): the factorisations against hand-made lists
 and a brute force, the dim names, bad input (one line, exit 2, nothing written), the
 Snakemake rule (dry run) and, slow, the toy sweep over 8 devices end to end with its
 table checked against runs made on their own."""
@@ -15,8 +15,8 @@ import pandas as pd
 import pytest
 from fixtures import SNAKEFILE, snakemake
 
-from pipeline import shapes
 from pipeline.config import load_resolved, stage_dirs
+from pipeline.tools import shapes
 
 # 64 = 2^6: a factorisation into k factors > 1 is a composition of the exponent 6 into k
 # positive parts (a factor 2^a per part a), so there are C(5, k-1) of them:
@@ -231,7 +231,7 @@ def test_a_shape_whose_inputs_cannot_be_sharded_does_not_stop_the_sweep(tmp_path
     """toy's batch of 16 cannot be split over a first mesh dim of 64 or 32: those two
     shapes are failed rows of the sweep, the other 14 of world=64 are planned (the
     sweep's check of the model runs on a shape that fits)."""
-    from pipeline.shapes import _inputs_fit, prepare
+    from pipeline.tools.shapes import _inputs_fit, prepare
 
     sweep = prepare(64, 3, ["model=toy", f"results_dir={tmp_path}"])
     assert len(sweep.configs) == 16

@@ -1,4 +1,4 @@
-"""Step-time simulation (pipeline/steptime.py): hand-worked schedules on a graph built
+"""Step-time simulation (pipeline/costmodel/steptime.py): hand-worked schedules on a graph built
 by hand, and the bounds on the toy model's plans."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pipeline.steptime import StepInputs, global_tokens, simulate
+from pipeline.costmodel.steptime import StepInputs, global_tokens, simulate
 
 
 def _graph(gather_b: float = 6.0, reduce_dim: int = 1, rs: float = 8.0) -> StepInputs:

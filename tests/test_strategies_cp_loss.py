@@ -1,5 +1,5 @@
 """Context-parallel attention and vocab-parallel cross-entropy
-(pipeline/topology/extra_strategies.py, pipeline/costmodel/op_comm.py), checked by
+(pipeline/stages/topology/extra_strategies.py, pipeline/costmodel/op_comm.py), checked by
 hand and against torch's own math on real tensors.
 
 Hardware: the H100 numbers written out below (not read from conf/hardware), so the
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from fixtures import traced_topology
 from omegaconf import OmegaConf
 
-from pipeline.placements import format_placements, parse_placements
-from pipeline.topology import IRNode, StrategyEnumerator, device_mesh
+from pipeline.dtensor.placements import format_placements, parse_placements
+from pipeline.stages.topology import IRNode, StrategyEnumerator, device_mesh
 
 HW = OmegaConf.create({
     "name": "h100", "peak_flops_bf16": 989.0e12, "peak_flops_fp32": 67.0e12,
@@ -338,7 +338,7 @@ def test_toy_softmax_unary_holds_its_all_reduces(toy) -> None:
     """In the traced toy step (2 x 64 tokens, vocabulary 1024, fp32 logits) on 2 x 4,
     the log_softmax under S(0)S(1) costs its roofline on [64, 256] (7 µs floor: 2 x 64
     KiB moved) plus two all-reduces of 64 fp32 values over cp; the backward one."""
-    from pipeline.costs import CostModel
+    from pipeline.stages.costs.stage import CostModel
 
     cm = CostModel(toy, HW, memoise=True)
     target = toy.nodes["target"]

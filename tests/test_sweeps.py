@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 from fixtures import snakemake
 
-from pipeline.cli import SENTINELS
 from pipeline.config import (
     CONF_DIR,
     STAGES,
@@ -26,6 +25,7 @@ from pipeline.config import (
     stage_dirs,
     sweep_overrides,
 )
+from pipeline.stages.runner import SENTINELS
 
 ROOT = Path(__file__).resolve().parent.parent
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
@@ -199,7 +199,7 @@ def test_a_stage_code_change_reruns_that_stage(tmp_path):
     cfg = ["--config", "model=toy", "mesh=8"]
     code = ("import os, sys; os.chdir(sys.argv[1]); "
             "from pipeline.config import load_resolved, stage_dirs, STAGES; "
-            "from pipeline.cli import SENTINELS; "
+            "from pipeline.stages.runner import SENTINELS; "
             "d = stage_dirs(load_resolved(['model=toy', 'mesh=8'])); "
             "ps = [d.of(s) / SENTINELS[s] for s in STAGES] + [d.report / 'placements.parquet', "
             "d.report / 'redistributions.parquet']; "

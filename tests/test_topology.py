@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from pipeline.ir import tensor_refs
-from pipeline.placements import format_placements
-from pipeline.topology import (
+from pipeline.core.ir import tensor_refs
+from pipeline.dtensor.placements import format_placements
+from pipeline.stages.topology import (
     IRNode,
     StrategyEnumerator,
     Topology,

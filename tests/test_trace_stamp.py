@@ -1,4 +1,4 @@
-"""The depth-independent trace (pipeline/trace_stamp.py): a 4-block trace stamped to N
+"""The depth-independent trace (pipeline/stages/trace/stamp.py): a 4-block trace stamped to N
 blocks is the full trace of N blocks, every column and row, and the same stage metadata;
 models whose blocks are not provably identical are traced in full, with the reason."""
 
@@ -9,9 +9,9 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.artifacts import GRAPH_FILE
 from pipeline.config.compose import load_resolved
-from pipeline.trace import run_trace, trace_model
+from pipeline.core.artifacts import GRAPH_FILE
+from pipeline.stages.trace.stage import run_trace, trace_model
 
 #: Stage metadata that differs between two runs of one trace (timings, memory) or says
 #: how the graph was made.
@@ -28,7 +28,7 @@ def _traced(tmp_path, overrides: list[str], stamp: bool) -> tuple:
 
 
 def _assert_stamped_is_full(tmp_path, overrides: list[str], n_layers: int) -> None:
-    from pipeline.plan import trace_hash
+    from pipeline.plan.format import trace_hash
 
     stamped, smeta = _traced(tmp_path, overrides, True)
     full, fmeta = _traced(tmp_path, overrides, False)
@@ -105,7 +105,7 @@ def toy_short():
 
 
 def test_stamp_to_four_gives_the_trace_back(toy_short):
-    from pipeline.trace_stamp import stamp
+    from pipeline.stages.trace.stamp import stamp
 
     assert stamp(toy_short, "layers", 4).equals(toy_short)
 
@@ -115,7 +115,7 @@ def test_middle_blocks_that_differ_are_refused(toy_short):
     proof: stamping refuses it."""
     import pyarrow as pa
 
-    from pipeline.trace_stamp import StampError, stamp
+    from pipeline.stages.trace.stamp import StampError, stamp
 
     targets = toy_short.column("target").to_pylist()
     layers = toy_short.column("layer").to_pylist()
@@ -133,7 +133,7 @@ def test_unlabelled_node_reading_a_middle_block_is_refused(toy_short):
     summed over the layers) is not stamped."""
     import pyarrow as pa
 
-    from pipeline.trace_stamp import StampError, stamp
+    from pipeline.stages.trace.stamp import StampError, stamp
 
     layers = toy_short.column("layer").to_pylist()
     kinds = toy_short.column("kind").to_pylist()
@@ -152,7 +152,7 @@ def test_fx_names_follow_the_counter_gaps(toy_short):
     """The stamped names are the names FX gives the 6-block graph: per base name a
     counter advancing by each template node's gap (dead-code elimination leaves gaps,
     e.g. getitem_6..9 missing in the toy trace), compared with a real 6-block trace."""
-    from pipeline.trace_stamp import stamp
+    from pipeline.stages.trace.stamp import stamp
 
     names = toy_short.column("name").to_pylist()
     getitems = [n for n in names if n.startswith("getitem")][:8]
@@ -166,7 +166,7 @@ def test_fx_names_follow_the_counter_gaps(toy_short):
 def test_name_gaps_of_a_hand_made_list():
     """``base`` / ``base_n``: each name's number is the previous number of its base plus
     its gap; worked by hand for a list with a gap and a base starting at 1."""
-    from pipeline.trace_stamp import name_gaps, names_from_gaps
+    from pipeline.stages.trace.stamp import name_gaps, names_from_gaps
 
     names = ["primals_1", "primals_2", "mm", "getitem", "mm_1", "getitem_3", "mm_2"]
     gaps = name_gaps(names)

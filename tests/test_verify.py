@@ -1,11 +1,11 @@
-"""Plans that run: each toy plan executed with DTensor on gloo processes (pipeline/verify.py).
+"""Plans that run: each toy plan executed with DTensor on gloo processes (pipeline/verify/run.py).
 
 The toy is shrunk (dim 32, 2 layers, 4 heads, 2 KV heads, vocab 64, 8 sequences of 16
 tokens) and the hardware made slow with no kernel floor, so that compute dominates and
 the solver shards activations as on a real model (FSDP all-gathers and
 reduce-scatters, all-reduced partial sums, tensor-parallel layouts) instead of
 replicating everything. Each case runs the stages in this process, then
-``pipeline.verify.verify`` forks one process per device.
+``pipeline.verify.run.verify`` forks one process per device.
 
 Independent checks: the loss and every gradient of *every parameter of the model*
 (names from the module itself) agree with the single-process step within 1e-5
@@ -53,7 +53,7 @@ def _overrides(results: Path, mesh: str, budget: str, *extra: str) -> list[str]:
 
 
 def _prepare(overrides: list[str]):
-    from pipeline.cli import run_stage
+    from pipeline.stages.runner import run_stage
 
     cfg = load_resolved(overrides)
     dirs = stage_dirs(cfg)
@@ -74,7 +74,7 @@ def _tree(root: Path) -> set[str]:
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("mesh", MESHES)
 def test_plan_runs_as_planned(results: Path, mesh: str, budget: str) -> None:
-    from pipeline.verify import RTOL, build_real_model, verify
+    from pipeline.verify.run import RTOL, build_real_model, verify
 
     cfg, dirs = _prepare(_overrides(results, mesh, budget))
     record = verify(cfg)
@@ -131,8 +131,8 @@ def test_default_budget_on_a_1d_mesh_is_fsdp(results: Path) -> None:
 
 def test_reference_is_the_models_own_step(results: Path) -> None:
     """The reference loss in verify.json is the eager model's loss on the seeded inputs."""
-    from pipeline.cpu_kernels import cpu_kernels
-    from pipeline.verify import build_real_model, real_inputs, verify
+    from pipeline.dtensor.cpu_kernels import cpu_kernels
+    from pipeline.verify.run import build_real_model, real_inputs, verify
 
     cfg, dirs = _prepare(_overrides(results, "2x2", "default"))
     done = Path(dirs.solve) / "verify.json"
@@ -149,7 +149,7 @@ def test_reference_is_the_models_own_step(results: Path) -> None:
 def test_a_placement_dtensor_does_not_produce_fails_naming_the_node(results: Path) -> None:
     """A plan whose node placement is legal but not what DTensor computes (an mm output
     marked Replicate while its inputs make it sharded or partial) fails at that node."""
-    from pipeline.verify import verify
+    from pipeline.verify.run import verify
 
     cfg, dirs = _prepare(_overrides(results, "2x2", "default"))
     doc = json.loads((Path(dirs.solve) / "plan.json").read_text())
@@ -248,7 +248,7 @@ def test_collective_counter_counts_kind_and_mesh_dim(tmp_path: Path) -> None:
 
 
 def _main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
-    from pipeline.verify import main
+    from pipeline.verify.run import main
 
     code = main(argv)
     err = capsys.readouterr().err.strip().splitlines()
@@ -326,7 +326,7 @@ def test_bad_process_count(results: Path, plan_2x2: Path,
 def test_bad_input_from_the_command_line(results: Path, plan_2x2: Path) -> None:
     """The real CLI: exit 2, one line on stderr, nothing on stdout."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pipeline.verify", *_overrides(results, "2x2", "default"),
+        [sys.executable, "-m", "pipeline.verify.run", *_overrides(results, "2x2", "default"),
          "--nproc", "8"], capture_output=True, text=True, timeout=300, cwd=results,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2, proc.stderr

@@ -1,6 +1,6 @@
 """Plans that run, for Hugging Face models: tiny ``hf/gpt2`` (tied embeddings) at mesh
 2x2 and tiny ``hf/mixtral`` (top-2 MoE, experts as ``aten._grouped_mm``) at mesh 4,
-each executed with DTensor on gloo processes by ``pipeline.verify.verify``.
+each executed with DTensor on gloo processes by ``pipeline.verify.run.verify``.
 
 One layer each (the trace dominates the time; a second layer adds no new op), width 12
 (GPT-2) and 16 (Mixtral: ``aten._grouped_mm`` wants 16-byte rows in bf16), vocabulary
@@ -54,7 +54,7 @@ def _own_loss(model, inputs) -> float:
     """The step's loss computed here: transformers' forward (the step replaced only the
     instance's ``forward``; the class's is the model's own), then mean cross-entropy of
     the unshifted logits against the labels."""
-    from pipeline.cpu_kernels import cpu_kernels
+    from pipeline.dtensor.cpu_kernels import cpu_kernels
 
     input_ids, labels = inputs
     with torch.no_grad(), cpu_kernels():  # the fused attention op's CPU kernel
@@ -65,7 +65,7 @@ def _own_loss(model, inputs) -> float:
 
 def _check_record(cfg, dirs, record: dict) -> list[str]:
     """The checks shared by both models; returns the parameter names."""
-    from pipeline.verify import RTOL, build_real_model, real_inputs
+    from pipeline.verify.run import RTOL, build_real_model, real_inputs
 
     assert record["ok"], record.get("error") or record["checks"]
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
@@ -95,7 +95,7 @@ def _check_record(cfg, dirs, record: dict) -> list[str]:
 
 
 def test_gpt2_tied_embeddings_plan_runs_as_planned(results: Path) -> None:
-    from pipeline.verify import build_real_model, verify
+    from pipeline.verify.run import build_real_model, verify
 
     cfg, dirs = _prepare([*GPT2, *NO_DROPOUT, *SHAPE, "mesh=2x2", f"results_dir={results}"])
     record = verify(cfg)
@@ -111,7 +111,7 @@ def test_gpt2_tied_embeddings_plan_runs_as_planned(results: Path) -> None:
 
 
 def test_mixtral_moe_plan_runs_as_planned(results: Path) -> None:
-    from pipeline.verify import verify
+    from pipeline.verify.run import verify
 
     cfg, dirs = _prepare([*MIXTRAL, *SHAPE, "mesh=4", f"results_dir={results}"])
     graph = pq.read_table(Path(dirs.trace) / "graph.parquet").to_pydict()
@@ -129,7 +129,7 @@ def test_mixtral_moe_plan_runs_as_planned(results: Path) -> None:
 def test_dropout_is_refused_in_one_line(results: Path, capsys: pytest.CaptureFixture) -> None:
     """GPT-2's default dropout (0.1) traces ``aten.native_dropout``: exit 2, one line
     naming the node and the probability, no verify.json."""
-    from pipeline.verify import main
+    from pipeline.verify.run import main
 
     overrides = [*GPT2, *SHAPE, "mesh=2x2", f"results_dir={results}"]
     _, dirs = _prepare(overrides)
@@ -147,7 +147,7 @@ def test_mixtral_float32_experts_fallback_op_runs_replicated(results: Path) -> N
     """float32 experts trace transformers' ``grouped_mm_fallback`` custom op, which
     DTensor has no strategy for: the plan runs it replicate-only (a fallback node, on
     the local replicated tensors), and the step still matches."""
-    from pipeline.verify import verify
+    from pipeline.verify.run import verify
 
     cfg, dirs = _prepare([*MIXTRAL, *SHAPE, "model.param_dtype=float32", "mesh=2",
                           f"results_dir={results}"])

@@ -155,7 +155,7 @@ def test_sweep_points_pair_each_jobs_log_line_with_its_run_record(tmp_path: Path
         "12:00:00 pipeline INFO: stages: trace 0.01 s (reused), topology 0.50 s, "
         "costs 0.10 s, solve 0.40 s; wall 1.05 s",
         "run record: a/run.json",
-        "12:00:01 pipeline.cli INFO: topology: running in x",
+        "12:00:01 pipeline.stages.runner INFO: topology: running in x",
         "12:00:02 pipeline INFO: stages: trace 0.00 s (reused), topology 0.00 s (reused), "
         "costs 2.00 s, solve 3.25 s; wall 5.30 s",
         "run record: b/run.json",

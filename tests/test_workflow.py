@@ -17,9 +17,9 @@ import pytest
 from fixtures import SNAKEFILE, snakemake
 from test_config import BAD_CASES
 
-from pipeline.artifacts import stage_outputs
-from pipeline.cli import SENTINELS
 from pipeline.config import STAGES, load_resolved, overrides_from_snakemake, stage_dirs
+from pipeline.core.artifacts import stage_outputs
+from pipeline.stages.runner import SENTINELS
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The rules of a run. The costs stage has one rule per cost mode (with eager costs it

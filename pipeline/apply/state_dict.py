@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from pipeline.errors import PlanError
-from pipeline.plan import Plan
+from pipeline.core.errors import PlanError
+from pipeline.plan.format import Plan
 
 __all__ = ["distribute_state_dict", "state_dict_layout"]
 
@@ -61,7 +61,7 @@ def distribute_state_dict(state_dict: Mapping[str, Any], mesh: Any, plan: Plan,
                             f"(plan={plan.path})")
         placements = layout[key]
         if value.device.type == "meta":
-            from pipeline.placements import local_shape
+            from pipeline.dtensor.placements import local_shape
 
             local = torch.empty(local_shape(value.shape, placements, plan.mesh_shape),
                                 dtype=value.dtype, device=mesh.device_type)

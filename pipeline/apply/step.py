@@ -1,7 +1,7 @@
 """The graph interpreter: the traced training step run on DTensors as the plan says.
 
 :func:`run_step` interprets the joint forward + loss + backward graph of the trace
-stage (``graph.parquet``, decoded by :func:`pipeline.topology.load_nodes`) node by node
+stage (``graph.parquet``, decoded by :func:`pipeline.stages.topology.load_nodes`) node by node
 on a real process group:
 
 1. placeholders: parameters, buffers and model inputs are DTensors in their planned
@@ -44,9 +44,14 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from pipeline.apply.counter import CollectiveCounter
-from pipeline.errors import PlanError
-from pipeline.placements import NON_TENSOR, format_placements, parse_output, parse_placements
-from pipeline.plan import Plan
+from pipeline.core.errors import PlanError
+from pipeline.dtensor.placements import (
+    NON_TENSOR,
+    format_placements,
+    parse_output,
+    parse_placements,
+)
+from pipeline.plan.format import Plan
 
 __all__ = ["PlacementMismatchError", "StepResult", "distribute_full", "resolve_target",
            "run_graph", "run_step"]
@@ -93,7 +98,7 @@ def resolve_target(target: str) -> Any:
     """The op of a graph IR ``target``: ``aten.mm.default``, ``<ns>.<op>.<overload>`` for
     a custom op (also in the ``torch._ops.<ns>.<ns>.<op>.<overload>`` spelling older
     traces wrote), or None."""
-    from pipeline.ir import resolve_op
+    from pipeline.core.ir import resolve_op
 
     parts = target.split(".")
     if parts[:2] == ["torch", "_ops"] and len(parts) >= 6:
@@ -221,7 +226,7 @@ def run_step(nodes: Sequence[Any], plan: Plan, mesh: Any, *, params: Mapping[str
 
     Args:
         nodes: the decoded graph IR the plan was made from (check with
-            :func:`pipeline.plan.check_graph`).
+            :func:`pipeline.plan.format.check_graph`).
         plan: a loaded plan; ``mesh`` a ``DeviceMesh`` of the plan's shape and names on
             the current process group.
         params, buffers: ``{fqn: tensor}``; a plain tensor is the full value (the same on
@@ -241,7 +246,7 @@ def run_step(nodes: Sequence[Any], plan: Plan, mesh: Any, *, params: Mapping[str
     """
     import torch.distributed as dist
 
-    from pipeline.plan import check_mesh, check_world_size
+    from pipeline.plan.format import check_mesh, check_world_size
 
     check_mesh(plan, mesh)
     if dist.is_initialized():
@@ -455,8 +460,8 @@ def run_graph(plan: Plan) -> Any:
     Raises:
         PlanError: no ``graph.parquet`` above the plan, or one of another trace.
     """
-    from pipeline.plan import check_graph
-    from pipeline.trace import GRAPH_FILE, read_graph
+    from pipeline.plan.format import check_graph
+    from pipeline.stages.trace.stage import GRAPH_FILE, read_graph
 
     for parent in Path(plan.path).resolve().parents:
         if (parent / GRAPH_FILE).exists():

@@ -11,8 +11,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.apply.step import run_graph
-from pipeline.placements import format_placements
-from pipeline.plan import Plan
+from pipeline.dtensor.placements import format_placements
+from pipeline.plan.format import Plan
 
 __all__ = ["ModuleStyle", "TorchStyles", "torch_styles"]
 
@@ -121,7 +121,7 @@ def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
     ``nodes``: the decoded graph IR; default the run's (:func:`run_graph`).
     """
     if nodes is None:
-        from pipeline.topology import load_nodes
+        from pipeline.stages.topology import load_nodes
 
         nodes = load_nodes(run_graph(plan))
     names = plan.mesh_names

@@ -43,8 +43,8 @@ from pipeline.config.overrides import (
     sweep_overrides,
 )
 from pipeline.config.paths import (
+    STAGE_ENTRIES,
     STAGE_KEYS,
-    STAGE_SOURCES,
     StageDirs,
     config_hash,
     stage_code_hash,
@@ -81,7 +81,7 @@ __all__ = [
     "SOLVER_NAMES",
     "STAGES",
     "STAGE_KEYS",
-    "STAGE_SOURCES",
+    "STAGE_ENTRIES",
     "Config",
     "ConfigError",
     "ConstraintsConfig",

@@ -15,29 +15,19 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline.config.schema import STAGES
 from pipeline.config.validate import mesh_label
-from pipeline.runtime import PROJECT_ROOT
+from pipeline.core.codehash import source_hash
+from pipeline.core.runtime import PROJECT_ROOT
 
-#: Source files (globs relative to the project root) whose content keys each stage's code.
-#: Packages are globbed recursively (``**`` also matches no directory: the package's own
-#: modules), and a module that is being split into a package is listed both ways
-#: (``pipeline/topology.py`` and ``pipeline/topology/**/*.py``), so the hash covers the
-#: stage's code before and after the split.
-STAGE_SOURCES: dict[str, tuple[str, ...]] = {
-    "trace": ("pipeline/trace.py", "pipeline/trace_stamp.py", "pipeline/models/**/*.py"),
-    "topology": ("pipeline/topology.py", "pipeline/topology/**/*.py", "pipeline/ir.py",
-                 "pipeline/placements.py", "pipeline/artifacts.py"),
-    "costs": ("pipeline/costs.py", "pipeline/ir.py", "pipeline/costmodel/**/*.py",
-              "pipeline/budget.py", "pipeline/artifacts.py", "pipeline/memory/**/*.py"),
-    # breakdown.py is cost-model code run by solve (the record's cost parts); the memory
-    # model walks the plan
-    "solve": ("pipeline/solve.py", "pipeline/solvers/**/*.py", "pipeline/breakdown.py",
-              "pipeline/steptime.py",
-              "pipeline/artifacts.py", "pipeline/plan.py", "pipeline/costmodel/**/*.py",
-              "pipeline/memory/**/*.py"),
-    "report": ("pipeline/report.py", "pipeline/artifacts.py", "pipeline/solve.py"),
-    "paper": ("pipeline/paper.py", "pipeline/paper/**/*.py"),
-    "verify": ("pipeline/verify.py", "pipeline/apply.py", "pipeline/apply/**/*.py",
-               "pipeline/plan.py", "pipeline/cpu_kernels.py"),
+#: The entry modules of each stage: its code hash covers them and every project module
+#: they import, transitively (:mod:`pipeline.core.codehash`).
+STAGE_ENTRIES: dict[str, tuple[str, ...]] = {
+    "trace": ("pipeline.stages.trace.stage",),
+    "topology": ("pipeline.stages.topology.stage",),
+    "costs": ("pipeline.stages.costs.stage",),
+    "solve": ("pipeline.stages.solve.stage",),
+    "report": ("pipeline.stages.report.stage",),
+    "paper": ("pipeline.tools.paper.build", "pipeline.tools.paper.cli"),
+    "verify": ("pipeline.verify.run",),
 }
 
 
@@ -51,7 +41,7 @@ def config_hash(obj: Any) -> str:
 
 
 #: Top-level keys each stage depends on, cumulatively: a stage's directory is keyed by a
-#: hash of exactly these (its artifacts: pipeline/artifacts.py).
+#: hash of exactly these (its artifacts: pipeline/core/artifacts.py).
 #: ``constraints.device_memory`` is a costs key (it shapes the MRF's rows, not the
 #: topology): it is left out of ``constraints`` and enters as ``device_memory`` at the
 #: costs level with the memory model's keys (``optimizer``, ``memory``, ``fsdp``).
@@ -90,7 +80,7 @@ def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
     """The part of a *resolved* config that ``stage`` depends on, as plain data.
 
     ``constraints`` leaves out ``device_memory`` (the costs key ``device_memory``),
-    ``solver`` leaves out ``max_memory`` (a guard, pipeline/problem_size.py); the
+    ``solver`` leaves out ``max_memory`` (a guard, pipeline/stages/costs/problem_size.py); the
     memory model's keys appear only when they differ from :data:`MEMORY_KEY_DEFAULTS`.
     """
     if stage not in STAGE_KEYS:
@@ -153,18 +143,14 @@ def stage_dirs(cfg: DictConfig) -> StageDirs:
 
 
 def stage_code_hash(stage: str, root: Path = PROJECT_ROOT) -> str:
-    """SHA-256 (16 hex digits) of the source files of ``stage`` (:data:`STAGE_SOURCES`).
+    """SHA-256 (16 hex digits) of the source of ``stage``: its entry modules
+    (:data:`STAGE_ENTRIES`) and every project module they import, transitively.
 
-    Paths and contents enter the hash, so an added, removed or edited file changes it;
-    a file that does not exist yet is simply absent. Used as a Snakemake ``params:``
-    value so that a code change reruns the stage (it is not part of the directory key).
+    Paths and contents enter the hash, so a change in any module the stage runs changes
+    it, and a change in a module it does not import leaves it. Used as a Snakemake
+    ``params:`` value and in the stage's stamp, so that a code change reruns the stage
+    (it is not part of the directory key).
     """
-    if stage not in STAGE_SOURCES:
-        raise ValueError(f"stage={stage}: allowed {', '.join(STAGES)}")
-    files = sorted({p for pattern in STAGE_SOURCES[stage] for p in root.glob(pattern)
-                    if p.is_file()})
-    h = hashlib.sha256()
-    for p in files:
-        h.update(p.relative_to(root).as_posix().encode() + b"\0")
-        h.update(p.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    if stage not in STAGE_ENTRIES:
+        raise ValueError(f"stage={stage}: allowed {', '.join(STAGE_ENTRIES)}")
+    return source_hash(STAGE_ENTRIES[stage], root)

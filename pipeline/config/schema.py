@@ -20,13 +20,13 @@ from typing import Any
 from omegaconf import MISSING
 
 from pipeline import models as model_families
-from pipeline import schema_types
+from pipeline.core import schema_types
+from pipeline.core.runtime import PROJECT_ROOT
 from pipeline.costmodel.hardware import HardwareConfig
 from pipeline.memory.options import FsdpConfig, MemoryConfig, OptimizerConfig
 from pipeline.models.custom import CustomModelConfig, InputSpec
 from pipeline.models.hf import HFModelConfig
 from pipeline.models.llama import ModelConfig
-from pipeline.runtime import PROJECT_ROOT
 from pipeline.solvers.options import BACKENDS as MIP_BACKENDS  # noqa: F401 - re-exported
 
 #: Absolute path of the Hydra config directory (``initialize_config_dir`` needs one).
@@ -72,7 +72,7 @@ class SolverConfig:
         threads: ilp/lp: backend threads.
         max_memory: bytes the problem may take (``16GiB``, ``16GB``, a byte count; ``None``:
             80 % of this machine's physical memory). Its size is estimated from the
-            topology before the costs stage builds anything (pipeline/problem_size.py)
+            topology before the costs stage builds anything (pipeline/stages/costs/problem_size.py)
             and a problem estimated above it is refused in one line. A guard, not part
             of any directory key.
     """
@@ -156,7 +156,7 @@ class CostsConfig:
 @dataclass
 class PaperConfig:
     """The runs behind the paper's tables and figures (set by ``conf/experiment/paper*.yaml``;
-    read by :mod:`pipeline.paper`, not part of any stage's key).
+    read by :mod:`pipeline.tools.paper`, not part of any stage's key).
 
     Attributes:
         runs: named run sets; each is a list of Hydra overrides in the multirun grammar
@@ -186,18 +186,18 @@ class Config:
         mesh_names: one name per mesh dim (``None``: dp / dp,tp / dp,cp,tp by rank).
         lazy_costs: lazy cost factors (``None``: true for approx, false for ilp/lp).
         stamp_layers: trace a model of N >= 5 identical repeated blocks with 4 blocks and
-            stamp the middle block to N (pipeline/trace_stamp.py; the same graph IR as a
+            stamp the middle block to N (pipeline/stages/trace/stamp.py; the same graph IR as a
             full trace, so not part of the trace key); ``False``: always trace in full.
         repeated_layers: tie the copies of a repeated layer to one decision.
         recipe: pin the placements of a standard hand-written plan (``ddp``, ``fsdp``,
-            ``hsdp``, ``fsdp_tp``, ``fsdp_tp_cp``; pipeline/topology/pins.py) to compare
+            ``hsdp``, ``fsdp_tp``, ``fsdp_tp_cp``; pipeline/stages/topology/pins.py) to compare
             it with the planner's plan under the same cost model; ``None``: none.
         optimality_check: also compute a certificate of optimality where possible.
         results_dir: root of all results, relative to the working directory.
         experiment: name of the selected ``conf/experiment`` option (set by it).
         revision_label: recorded in place of the git revision when given.
         workers: processes for the phases whose parts are independent (the DTensor
-            strategies of distinct ops, the pairwise group factors; pipeline/parallel.py):
+            strategies of distinct ops, the pairwise group factors; pipeline/core/parallel.py):
             ``0`` = one per CPU this process may use, ``1`` = all in this process. Not
             part of any stage's key: the results are the same for every value.
         paper: run sets of the paper's tables and figures, see :class:`PaperConfig`.

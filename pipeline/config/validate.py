@@ -149,7 +149,7 @@ def _check_solver(s: Any) -> None:
 
 def _check_placement(key: str, text: Any, rank: int, tuple_ok: bool) -> None:
     """Parse a placement in compact notation; refuse Partial (never legal for pins)."""
-    from pipeline.placements import parse_output, parse_placements
+    from pipeline.dtensor.placements import parse_output, parse_placements
 
     shown = f"{key}={_shown(text)}"
     try:
@@ -190,7 +190,7 @@ def _check_recipe(recipe: Any, names: list[str], c: Any) -> None:
     combined with ``constraints.inputs`` (the recipe places the inputs)."""
     if recipe is None:
         return
-    from pipeline.topology.pins import RECIPES, recipe_dim_roles
+    from pipeline.stages.topology.pins import RECIPES, recipe_dim_roles
 
     if not isinstance(recipe, str) or recipe not in RECIPES:
         raise ConfigError(f"recipe={_shown(recipe)}: allowed {', '.join(RECIPES)}, null")
@@ -248,7 +248,7 @@ def check_input_sharding(out: Any, mesh: list[int], names: list[str]) -> None:
         ConfigError: ``model.batch_size=2: the inputs are sharded S(0) on mesh dim dp
             (8 devices) ...``.
     """
-    from pipeline.placements import parse_placements
+    from pipeline.dtensor.placements import parse_placements
 
     text = out.constraints.inputs
     placements = parse_placements(text or "S(0)" + "R" * (len(mesh) - 1), len(mesh))

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from pipeline.ir import resolve_op
+from pipeline.core.ir import resolve_op
 
 __all__ = [
     "grouped_mm_flops",

@@ -64,8 +64,8 @@ def is_fusable_op(target: str) -> bool:
         return False
     import torch
 
+    from pipeline.core.ir import resolve_op
     from pipeline.costmodel.compute import is_view_op
-    from pipeline.ir import resolve_op
 
     op = resolve_op(target, strict=False)
     if not isinstance(op, torch._ops.OpOverload) or is_view_op(op):
@@ -74,7 +74,8 @@ def is_fusable_op(target: str) -> bool:
 
 
 class PointwiseFusion:
-    """The fusion term of a :class:`~pipeline.costs.CostModel`'s edges (module docstring).
+    """The fusion term of a :class:`~pipeline.stages.costs.stage.CostModel`'s edges
+    (module docstring).
 
     ``edge_key(e)`` is what the term depends on beyond the cost model's edge key (the
     designation), so edges of one class get equal terms; ``add_term(e, table, srcs,
@@ -134,8 +135,8 @@ class PointwiseFusion:
 
     def _floor_part(self, v: int, a: int) -> np.ndarray:
         """``f_v`` per column class of argument ``a`` (module docstring)."""
-        from pipeline.costs import itemsize
-        from pipeline.placements import local_shape, parse_output, parse_placements
+        from pipeline.dtensor.placements import local_shape, parse_output, parse_placements
+        from pipeline.stages.costs.stage import itemsize
 
         cm = self.cm
         key = (cm.slist[v], a)
@@ -170,8 +171,8 @@ class PointwiseFusion:
         """``table + F_e`` (module docstring); ``table`` itself when the edge does not
         fuse."""
         from pipeline.costmodel.redistribute import placements_differ
-        from pipeline.costs import itemsize
-        from pipeline.placements import local_shape
+        from pipeline.dtensor.placements import local_shape
+        from pipeline.stages.costs.stage import itemsize
 
         key = self.edge_key(e)
         if not key:

@@ -2,7 +2,7 @@
 
 Most strategies communicate only through their edges (the redistributions of
 pipeline/costmodel/redistribute/). The vocab-parallel strategies of the softmax of the
-cross-entropy (pipeline/topology/extra_strategies.py) shard the dim the softmax reduces
+cross-entropy (pipeline/stages/topology/extra_strategies.py) shard the dim the softmax reduces
 over, so the op itself must reduce across the shards, as Megatron-LM's
 ``VocabParallelCrossEntropy`` does (Shoeybi et al. 2019,
 ``megatron/core/tensor_parallel/cross_entropy.py``: an all-reduce MAX of the row

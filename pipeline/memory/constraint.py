@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import PlanError
+from pipeline.core.errors import PlanError
 from pipeline.memory.options import format_bytes
 from pipeline.solvers.mrf import LinearConstraint
 

@@ -93,7 +93,7 @@ def aliases_first_input(target: str) -> bool:
     """
     if target in ("placeholder", "output", "getitem"):
         return False
-    from pipeline.ir import resolve_op
+    from pipeline.core.ir import resolve_op
 
     op = resolve_op(target, strict=False)
     if op is None or not hasattr(op, "_schema"):
@@ -278,7 +278,7 @@ def step_graph(tt: Any, checkpointing: str = "none") -> StepGraph:
     """The static memory facts of topology tables ``tt`` (module docstring).
 
     Args:
-        tt: :class:`pipeline.topology.TopologyTables`.
+        tt: :class:`pipeline.stages.topology.TopologyTables`.
         checkpointing: ``none``, ``full`` or ``selective``.
     """
     from pipeline.memory.options import CHECKPOINTING

@@ -43,9 +43,9 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.dtensor.placements import local_shape, parse_placements
 from pipeline.memory.graph import StepGraph
 from pipeline.memory.options import MemoryOptions
-from pipeline.placements import local_shape, parse_placements
 
 __all__ = ["KINDS", "LinearTerms", "SlotBytes", "linear_terms"]
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline import schema_types
+from pipeline.core import schema_types
 
 __all__ = [
     "FAMILIES",
@@ -172,7 +172,7 @@ def trace_key(model_cfg: Mapping[str, Any]) -> dict[str, Any]:
     ``resolve()`` stores it as ``model.trace_env`` (every schema has the field; a value
     given is replaced), so it is part of the trace key: an upgrade or an edited builder
     gives a new trace directory, and the run record's config shows what was used."""
-    from pipeline.runtime import _version
+    from pipeline.core.runtime import _version
 
     out: dict[str, Any] = {"torch": _version("torch")}
     extra = getattr(_family_module(family_of(model_cfg)), "trace_key", None)

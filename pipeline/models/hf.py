@@ -160,7 +160,7 @@ def _config_class(model_type: str) -> Any:
 
 
 def _transformers_version() -> str | None:
-    from pipeline.runtime import _version
+    from pipeline.core.runtime import _version
 
     return _version("transformers")
 

@@ -1,4 +1,4 @@
-# Benchmark suites (pipeline/bench/): one fresh `python -m pipeline` process per case,
+# Benchmark suites (pipeline/tools/bench/): one fresh `python -m pipeline` process per case,
 # results in <results_dir>/bench/<suite>.{parquet,md}.
 #
 #   snakemake bench                        # suite `search`
@@ -8,9 +8,9 @@
 # measures, it is never "up to date") and a failed case does not make Snakemake delete
 # the tables of the cases that worked. BENCH_SUITE is taken out of --config in the
 # Snakefile (it is not a pipeline config key). Other options (--only, --fresh,
-# --timeout): run `python -m pipeline.bench` directly.
+# --timeout): run `python -m pipeline.tools.bench` directly.
 
-from pipeline.bench import SUITES as _BENCH_SUITES
+from pipeline.tools.bench import SUITES as _BENCH_SUITES
 
 if BENCH_SUITE not in _BENCH_SUITES:
     print(f"suite={BENCH_SUITE}: allowed {', '.join(_BENCH_SUITES)}", file=sys.stderr)
@@ -26,4 +26,4 @@ rule bench:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.bench --suite {params.suite:q} --out {params.out:q} 2>&1 | tee {log:q}"
+        "python -m pipeline.tools.bench --suite {params.suite:q} --out {params.out:q} 2>&1 | tee {log:q}"

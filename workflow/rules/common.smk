@@ -27,8 +27,8 @@ CONDA_ENV = "../envs/pipeline.yaml"
 if str(PROJECT_ROOT) not in sys.path:
     sys.path.insert(0, str(PROJECT_ROOT))
 
-from pipeline.artifacts import SENTINELS, stage_outputs as _stage_artifacts
-from pipeline.cli import preflight_trace
+from pipeline.core.artifacts import SENTINELS, stage_outputs as _stage_artifacts
+from pipeline.stages.runner import preflight_trace
 from pipeline.config import (
     ConfigError,
     load_resolved,
@@ -37,7 +37,7 @@ from pipeline.config import (
     stage_dirs,
     stage_overrides,
 )
-from pipeline.paper import experiment_name, experiment_overrides, load_experiment, output_files
+from pipeline.tools.paper import experiment_name, experiment_overrides, load_experiment, output_files
 
 try:
     PLAN_CFG = load_resolved(overrides_from_snakemake(config, sys.argv))
@@ -53,7 +53,7 @@ PAPER_OVERRIDES = experiment_overrides(overrides_from_snakemake(config, sys.argv
 # Jobs run `python -m pipeline.cli` with this interpreter and this checkout first on the
 # import path, so they run the same code whether or not the package is installed.
 # A job's stderr goes to its log; fd 3 keeps Snakemake's stderr, where the stage prints
-# its one-line error too (PIPELINE_ERROR_FD, pipeline/cli.py).
+# its one-line error too (PIPELINE_ERROR_FD, pipeline/stages/runner.py).
 # (The prefix is formatted like a shell command: literal braces are doubled.)
 # Under --use-conda the job's own environment (CONDA_ENV) is active instead: a
 # CONDA_PREFIX other than Snakemake's own leaves PATH alone.
@@ -67,7 +67,7 @@ shell.prefix(
 
 
 def stage_output(stage):
-    """The sentinel artifact of a stage for the composed config (pipeline/artifacts.py)."""
+    """The sentinel artifact of a stage for the composed config (pipeline/core/artifacts.py)."""
     return str(PLAN_DIRS.of(stage) / SENTINELS[stage])
 
 

@@ -1,4 +1,4 @@
-# The paper: tables and figures of an experiment, from runs.parquet (pipeline/paper/).
+# The paper: tables and figures of an experiment, from runs.parquet (pipeline/tools/paper/).
 #
 #   snakemake paper                                  # experiment paper_toy (default)
 #   snakemake paper --config experiment=paper        # LLaMA-3 1B
@@ -27,5 +27,5 @@ rule paper:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.paper --no-run {params.overrides:q} > {log} 2>&1 && "
-        "python -m pipeline.report_html table {output.tables:q} >> {log} 2>&1"
+        "python -m pipeline.tools.paper --no-run {params.overrides:q} > {log} 2>&1 && "
+        "python -m pipeline.stages.report.html table {output.tables:q} >> {log} 2>&1"

@@ -3,8 +3,8 @@
 #   snakemake --config mesh=2,4,8 && snakemake --report results/report.html --config mesh=2,4,8
 #   snakemake paper && snakemake --report results/report.html     # with the paper
 #
-# The report stage writes results/report/*.parquet (pipeline/report.py) and the runs table
-# as an HTML page, runs.html (pipeline/report_html.py: a Snakemake report shows HTML and
+# The report stage writes results/report/*.parquet (pipeline/stages/report/stage.py) and the runs table
+# as an HTML page, runs.html (pipeline/stages/report/html.py: a Snakemake report shows HTML and
 # pictures in the page, Parquet and Markdown only as downloads). The outputs shown in the
 # HTML report (report(...), captions in workflow/report/) are declared only when
 # Snakemake makes a report (REPORT_MODE), so that ordinary runs plan the same jobs:
@@ -35,4 +35,4 @@ rule report:
         CONDA_ENV
     shell:
         "python -m pipeline.cli report {params.overrides:q} > {log} 2>&1 && "
-        "python -m pipeline.report_html runs {output.runs:q} {params.page:q} >> {log} 2>&1"
+        "python -m pipeline.stages.report.html runs {output.runs:q} {params.page:q} >> {log} 2>&1"

@@ -7,7 +7,7 @@ REPORT_CAPTIONS = Path(workflow.basedir) / "report"
 
 
 def runs_page():
-    """results/report/runs.html, the runs table as a page (pipeline/report_html.py)."""
+    """results/report/runs.html, the runs table as a page (pipeline/stages/report/html.py)."""
     return str(PLAN_DIRS.report / "runs.html")
 
 

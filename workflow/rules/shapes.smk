@@ -1,14 +1,14 @@
 # The mesh-shape sweep: every factorisation of a world size into 1..3 (max_dims=4: 1..4)
-# mesh dims, each planned, then a table and a figure best first (pipeline/shapes.py).
+# mesh dims, each planned, then a table and a figure best first (pipeline/tools/shapes.py).
 #
 #   snakemake shapes --config world=64 model=toy
 #   snakemake shapes --config world=64 model=llama1b max_dims=4
 #
 # `world` defaults to the size of the --config mesh. The runs are planned by
-# `python -m pipeline.shapes` in the ordinary results tree (one shared trace, stages
+# `python -m pipeline.tools.shapes` in the ordinary results tree (one shared trace, stages
 # reused as by `python -m pipeline`); outputs in <results_dir>/shapes/<model>-<h8>/w<N>-d<K>/.
 
-from pipeline.shapes import OUTPUT_FILES, code_hash as shapes_code_hash, shapes_request
+from pipeline.tools.shapes import OUTPUT_FILES, code_hash as shapes_code_hash, shapes_request
 
 try:
     SHAPES = shapes_request(SHAPES_KEYS, PLAN_CFG, overrides_from_snakemake(config, sys.argv))
@@ -30,4 +30,4 @@ if SHAPES is not None:
         conda:
             CONDA_ENV
         shell:
-            "python -m pipeline.shapes {params.args:q} > {log} 2>&1"
+            "python -m pipeline.tools.shapes {params.args:q} > {log} 2>&1"

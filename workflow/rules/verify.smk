@@ -1,4 +1,4 @@
-# Plan verification (pipeline/verify.py): execute the run's plan.json with DTensor on one
+# Plan verification (pipeline/verify/run.py): execute the run's plan.json with DTensor on one
 # gloo process per mesh device (CPU) and compare loss and gradients with the
 # single-process step; writes verify.json beside the plan.
 #

@@ -37,7 +37,7 @@ groups (each a sorted tuple of mesh dims, :class:`FlatGroups`), costed by
 (:func:`pipeline.costmodel.comm.group_collective_params` on
 :func:`~pipeline.costmodel.comm.mesh_group_layout` of the group), so the formula is the
 one of every other collective. ``costs.flatten_mesh=false`` prices DTensor's plan on the
-full mesh, one collective per mesh dim. :mod:`pipeline.verify` runs plans with
+full mesh, one collective per mesh dim. :mod:`pipeline.verify.run` runs plans with
 DTensor's own ``redistribute`` and counts a flattened collective as one per mesh dim.
 """
 

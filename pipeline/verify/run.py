@@ -1,0 +1,611 @@
+"""Stage verify: execute a run's plan with DTensor on real processes and check it.
+
+    python -m pipeline.verify model=toy mesh=2,2 [hydra overrides] [--plan PATH]
+        [--nproc N] [--seed S] [--output PATH]
+    snakemake verify --config model=toy mesh=2,2
+
+Runs the stages the plan needs (reusing current artifacts), then spawns one process
+per mesh device on a ``gloo`` process group (CPU; forked, one thread each). Every
+process builds the same model with small random weights and the same inputs from a
+fixed seed (:func:`build_real_model`, :func:`real_inputs`: the built-in LLaMA family,
+or an ``hf`` architecture built on CPU with transformers' ``from_config`` and the
+attention and experts implementation the trace used), and runs the plan
+(:func:`pipeline.apply.run_step`: every node's output placement checked against the
+plan, collectives counted); rank 0 also runs the single-process reference step
+(eager forward, loss, ``backward()`` on the unsharded model). Both execute in float32
+(a bf16 plan's casts compute in float32), so the comparison measures sharding, not
+rounding. Written (atomically) to ``verify.json`` beside the plan:
+
+* ``loss`` and ``grads``: value and reference, max absolute difference and relative
+  difference ``max|a - b| / max|b|`` (each gradient gathered with ``full_tensor()``);
+  passes when every relative difference is at most :data:`RTOL`;
+* ``placements``: nodes checked; any node where DTensor chose another placement
+  fails the run before ``verify.json`` is complete (it is then written with the error);
+* ``collectives``: counted per ``kind(mesh dim)`` (:class:`pipeline.apply.CollectiveCounter`:
+  one call of a functional collective on one mesh dim's group is one collective;
+  DTensor's CPU all-to-all is counted as an all-to-all) beside the planned counts,
+  the ``collectives`` column of ``redistributions.parquet`` (one entry per
+  redistribution step); passes when they are equal and no op redistributed on its own;
+* ``memory``: peak bytes of live local tensors per rank, beside the plan's predicted
+  bytes per device when the run record has a memory model (else null);
+* ``styles``: the plan read as FSDP2 / tensor-parallel styles
+  (:func:`pipeline.apply.torch_styles`).
+
+Exit status: 0 the plan verified; 1 it did not (``verify.json`` says why) or a
+process failed; 2 bad input (one line on stderr, nothing written): a bad override or
+flag, a model family verify cannot build (``custom``), a traced step that draws random
+numbers (dropout with p > 0), a plan file that is truncated, edited to an illegal
+placement or made for another model, trace or mesh, or a process count other than the
+mesh size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.core import runtime
+from pipeline.core.errors import PlanError
+
+log = logging.getLogger(__name__)
+
+VERIFY_FILE = "verify.json"
+#: Largest relative difference (``max|a - b| / max|b|``) of the loss and of every
+#: gradient accepted, float32.
+RTOL = 1e-5
+DEFAULT_SEED = 0
+#: Seconds a process waits in a collective before giving up (a peer failed).
+COLLECTIVE_TIMEOUT_S = 180
+_USAGE = ("usage: python -m pipeline.verify [hydra overrides...] [--plan PATH] [--nproc N] "
+          "[--seed S] [--output PATH]")
+_FLAGS = ("--plan", "--nproc", "--seed", "--output")
+
+
+class VerifyUsageError(PlanError):
+    """A bad verify flag (one line)."""
+
+
+# --------------------------------------------------------------------------- model
+
+
+def build_real_model(model_cfg: dict[str, Any], seed: int, param_dtype: str = "float32"
+                     ) -> Any:
+    """The model of ``model_cfg`` on CPU with small random weights from ``seed``, computing
+    in ``param_dtype``; ``model(*inputs)`` returns the loss of the traced training step.
+
+    Matrices ``[.., fan_in]`` are drawn from N(0, 1/fan_in), vectors (norm weights,
+    biases) from 1 + N(0, 0.1^2), in ``named_parameters`` order (a tied tensor once,
+    under its first name, as the trace records it) from one ``torch.Generator``, so every
+    process builds the same weights. Buffers are the model's own (RoPE tables).
+
+    ``hf`` family: the architecture of :func:`pipeline.models.hf.build`, built with
+    transformers' ``from_config`` on CPU (no hub) with the attention and experts
+    implementation the trace used, parameters stored in float32; its ``forward`` is
+    replaced (on the instance) by the family's step (forward, then the cross-entropy of
+    the logits), which is what the trace captured (the cast to ``param_dtype`` is the
+    identity here: the step is verified in float32).
+    """
+    import torch
+
+    check_model_family(model_cfg)
+    if family_of(model_cfg) == "hf":
+        model = _build_real_hf(model_cfg)
+    else:
+        from pipeline.models.llama import ModelConfig, Transformer
+
+        fields = {k: model_cfg[k] for k in ModelConfig.__dataclass_fields__ if k in model_cfg}
+        fields["param_dtype"] = param_dtype
+        with torch.device("cpu"):
+            model = Transformer(ModelConfig(**fields))
+    gen = torch.Generator().manual_seed(int(seed))
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+            else:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _build_real_hf(model_cfg: dict[str, Any]) -> Any:
+    """The ``hf`` architecture of ``model_cfg`` on CPU, forward replaced by the step."""
+    import functools
+
+    import torch
+    import transformers
+
+    from pipeline.models import ModelError, hf
+
+    try:
+        config = hf.hf_config(model_cfg)
+    except ValueError as err:
+        raise ModelError(str(err)) from None
+    auto = getattr(transformers, hf.TASKS[model_cfg["task"]])
+    model_class = auto._model_mapping[type(config)]
+    attn = model_cfg["attn_implementation"]
+    if attn == "fused":
+        hf.register_attention()
+        attn = hf.ATTENTION_NAME
+    kwargs: dict[str, Any] = {"attn_implementation": attn}
+    if model_class._can_set_experts_implementation():
+        kwargs["experts_implementation"] = model_cfg["experts_implementation"]
+    with torch.device("cpu"):
+        model = auto.from_config(config, dtype=torch.float32, **kwargs)
+    model.train()
+    model.forward = functools.partial(hf.step, model.forward, task=model_cfg["task"])
+    return model
+
+
+def family_of(model_cfg: dict[str, Any]) -> str:
+    """``model.family`` of ``model_cfg`` (``llama`` when absent)."""
+    from pipeline.models import family_of as _family_of
+
+    return _family_of(model_cfg)
+
+
+#: Model families verify builds real weights for (``custom`` builders give no recipe
+#: for real weights on CPU).
+VERIFY_FAMILIES: tuple[str, ...] = ("llama", "hf")
+
+
+def check_model_family(model_cfg: dict[str, Any]) -> None:
+    """Fail (one line) for a model config verify cannot build with real weights: a
+    family other than :data:`VERIFY_FAMILIES`, or a built-in LLaMA config with keys
+    ``ModelConfig`` does not know.
+
+    Raises:
+        VerifyUsageError: the family or a key is not one verify builds.
+    """
+    from pipeline.models.llama import ModelConfig
+
+    family = family_of(model_cfg)
+    if family not in VERIFY_FAMILIES:
+        raise VerifyUsageError(
+            f"model.family={family}: verify builds real weights for the "
+            + ", ".join(VERIFY_FAMILIES) + " families only (model=toy|llama1b|llama8b|"
+            "llama70b|hf/<preset>)")
+    if family != "llama":
+        return
+    extra = sorted(set(model_cfg) - set(ModelConfig.__dataclass_fields__) - {"family"})
+    if extra:
+        raise VerifyUsageError(
+            f"model.{extra[0]}={model_cfg[extra[0]]!r}: verify builds real weights for the "
+            "built-in llama family only (model=toy|llama1b|llama8b|llama70b)")
+
+
+def check_deterministic(nodes: Sequence[Any]) -> None:
+    """Fail (one line) when the traced step draws random numbers (dropout with p > 0):
+    the planned and the single-process step would draw different masks.
+
+    Raises:
+        VerifyUsageError: names the first such node and its probability.
+    """
+    for n in nodes:
+        if n.kind == "call_function" and n.target == "aten.native_dropout.default":
+            p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p")
+            train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+            if train and isinstance(p, (int, float)) and p > 0:
+                raise VerifyUsageError(
+                    f"node {n.name} ({n.target}, {n.module_path or 'model'}): dropout "
+                    f"p={p} draws random masks the planned and reference steps cannot "
+                    "share; allowed: dropout 0 (e.g. model.config.resid_pdrop=0 "
+                    "model.config.embd_pdrop=0 model.config.attn_pdrop=0)")
+
+
+def real_inputs(model_cfg: dict[str, Any], seed: int) -> list[Any]:
+    """The step's token inputs, uniform over the vocabulary, from ``seed + 1`` (the same
+    on every process): token batch and labels ``[batch_size, seq_len]``; an ``hf``
+    seq2seq model gets encoder tokens ``[batch_size, seq_len]``, then decoder tokens and
+    labels ``[batch_size, decoder_seq_len]``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(int(seed) + 1)
+    b, t = int(model_cfg["batch_size"]), int(model_cfg["seq_len"])
+    shapes = [(b, t), (b, t)]
+    if family_of(model_cfg) == "hf":
+        from pipeline.models import hf
+
+        vocab = int(hf.hf_config(model_cfg).vocab_size)
+        if model_cfg["task"] == "seq2seq":
+            td = int(model_cfg.get("decoder_seq_len") or t)
+            shapes = [(b, t), (b, td), (b, td)]
+    else:
+        vocab = int(model_cfg["vocab_size"])
+    return [torch.randint(0, vocab, shape, generator=gen) for shape in shapes]
+
+
+def model_hash_of_config(model_cfg: dict[str, Any]) -> str:
+    """The model hash (:func:`pipeline.plan.format.model_hash_of_module`) of ``model_cfg``'s
+    module, built on meta (no weights)."""
+    from pipeline.plan.format import model_hash_of_module
+
+    if family_of(model_cfg) == "hf":
+        from pipeline.models import build
+
+        return model_hash_of_module(build(model_cfg).module)
+    from pipeline.models.llama import build_model
+
+    return model_hash_of_module(build_model(model_cfg))
+
+
+def reference_step(model: Any, inputs: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
+    """The unsharded training step in one process: ``loss = model(*inputs)``,
+    ``loss.backward()``; returns the loss and ``{fqn: grad}``."""
+    model.zero_grad(set_to_none=True)
+    loss = model(*inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    return loss.detach(), grads
+
+
+def difference(got: Any, ref: Any) -> dict[str, float]:
+    """``{"abs_diff": max|a - b|, "rel_diff": max|a - b| / max|b|}`` (0 when equal)."""
+    diff = float((got.double() - ref.double()).abs().max()) if got.numel() else 0.0
+    scale = float(ref.double().abs().max()) if ref.numel() else 0.0
+    rel = 0.0 if diff == 0.0 else (diff / scale if scale > 0 else math.inf)
+    return {"abs_diff": diff, "rel_diff": rel}
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def _worker(rank: int, job: dict[str, Any]) -> None:
+    """One process of the verify run (see the module docstring); writes
+    ``rank<k>.json`` into ``job["out_dir"]``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    for name in ("torch.distributed.tensor._redistribute", "torch._logging._internal"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if dist.is_initialized():  # a fake process group inherited from the parent (fork)
+        dist.destroy_process_group()
+    out = Path(job["out_dir"]) / f"rank{rank}.json"
+    dist.init_process_group("gloo", init_method=f"file://{job['store']}", rank=rank,
+                            world_size=job["world"],
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        result = _run_rank(rank, job)
+    except PlanError as err:
+        result = {"error": str(err).splitlines()[0], "error_type": type(err).__name__}
+    finally:
+        dist.destroy_process_group()
+    out.write_text(json.dumps(result, sort_keys=True))
+
+
+def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipeline.apply import CollectiveCounter, resolve_target, run_step
+    from pipeline.dtensor.cpu_kernels import cpu_kernels
+    from pipeline.dtensor.placements import format_placements
+
+    plan = job["plan"]
+    mesh = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=plan.mesh_names)
+    timings: dict[str, float] = {}
+    ops = {resolve_target(n.target) for n in job["nodes"] if n.kind == "call_function"}
+    with cpu_kernels(op for op in ops if op is not None):
+        start = time.perf_counter()
+        model = build_real_model(job["model_cfg"], job["seed"])
+        inputs = real_inputs(job["model_cfg"], job["seed"])
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        buffers = {n: b.detach() for n, b in model.named_buffers()}
+        timings["build"] = time.perf_counter() - start
+        start = time.perf_counter()
+        with torch.no_grad(), CollectiveCounter(mesh) as counter:
+            step = run_step(job["nodes"], plan, mesh, params=params, buffers=buffers,
+                            inputs=inputs, compute_dtype=torch.float32, counter=counter)
+        timings["planned_step"] = time.perf_counter() - start
+        loss = step.loss.full_tensor()
+        grads = {k: (v.full_tensor(), format_placements(v.placements))
+                 for k, v in sorted(step.grads.items())}
+        result: dict[str, Any] = {
+            "rank": rank, "collectives": step.collectives, "op_collectives": step.op_collectives,
+            "nodes_checked": step.nodes_checked, "redistributions": step.redistributions,
+            "peak_local_bytes": step.peak_local_bytes}
+        if rank == 0:
+            start = time.perf_counter()
+            ref_loss, ref_grads = reference_step(model, inputs)
+            timings["reference_step"] = time.perf_counter() - start
+            result["loss"] = {"value": float(loss), "reference": float(ref_loss),
+                              **difference(loss, ref_loss)}
+            result["grads"] = {}
+            for fqn, ref in ref_grads.items():
+                if fqn not in grads:
+                    result["grads"][fqn] = {"missing": True}
+                    continue
+                full, placement = grads[fqn]
+                result["grads"][fqn] = {"shape": list(ref.shape), "placement": placement,
+                                        **difference(full, ref)}
+    result["seconds"] = timings
+    return result
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def dtensor_collectives(row: dict[str, Any], mesh_shape: Sequence[int],
+                        mesh_names: Sequence[str]) -> list[str]:
+    """The collectives DTensor's ``redistribute`` issues for one row of
+    ``redistributions.parquet``: its ``collectives`` when each runs on one mesh dim;
+    else (a collective over a flattened group such as ``all_gather(dp+tp)``, priced as
+    FSDP2 runs it, pipeline/costmodel/redistribute/flatten.py) the per-mesh-dim plan of
+    ``src_placement -> dst_placement``, which is what runs here."""
+    names = list(row["collectives"] or ())
+    if not any("+" in n for n in names):
+        return names
+    from pipeline.costmodel.hardware import HardwareConfig
+    from pipeline.costmodel.redistribute import redistribute_steps
+    from pipeline.dtensor.placements import parse_placements
+    from pipeline.stages.costs.stage import itemsize
+
+    ndim = len(mesh_shape)
+    steps = redistribute_steps(row["shape"], itemsize(row["dtype"]),
+                               parse_placements(row["src_placement"], ndim),
+                               parse_placements(row["dst_placement"], ndim),
+                               tuple(mesh_shape), HardwareConfig()) or []
+    return [f"{st.kind}({mesh_names[st.mesh_dim]})" for st in steps
+            if st.kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")]
+
+
+def planned_collectives(plan: Any) -> tuple[dict[str, int], str]:
+    """The planned collective counts per ``kind(mesh dim)`` and where they came from:
+    ``redistributions.parquet`` beside the plan (the run's table, one entry per
+    redistribution step, as DTensor issues them: :func:`dtensor_collectives`) when it
+    belongs to the same run, else the plan's own summary."""
+
+    table_path = Path(plan.path).parent / "redistributions.parquet"
+    if table_path.exists():
+        table = runtime.read_parquet(table_path)
+        meta = json.loads((table.schema.metadata or {}).get(b"pipeline", b"{}"))
+        if meta.get("run_id") == plan.run_id:
+            counts: dict[str, int] = {}
+            for row in table.select(["shape", "dtype", "src_placement", "dst_placement",
+                                     "collectives"]).to_pylist():
+                for name in dtensor_collectives(row, plan.mesh_shape, plan.mesh_names):
+                    counts[name] = counts.get(name, 0) + 1
+            return dict(sorted(counts.items())), str(table_path)
+    return plan.collective_counts(), f"{plan.path} (collectives)"
+
+
+def _predicted_memory(solve_dir: Path) -> dict[str, Any]:
+    path = solve_dir / "run.json"
+    record = json.loads(path.read_text()) if path.exists() else {}
+    memory = record.get("memory")
+    if isinstance(memory, dict):
+        for key in ("peak_bytes_per_device", "peak_bytes", "bytes_per_device"):
+            if isinstance(memory.get(key), (int, float)):
+                return {"predicted_bytes_per_device": memory[key],
+                        "predicted_source": f"run.json memory.{key}"}
+    return {"predicted_bytes_per_device": None,
+            "predicted_source": "none (the run record has no memory model)"}
+
+
+def parse_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
+    """Split ``argv`` into Hydra overrides and verify flags.
+
+    Raises:
+        VerifyUsageError: an unknown flag, a flag without a value, or a bad value.
+    """
+    overrides: list[str] = []
+    flags: dict[str, Any] = {"plan": None, "nproc": None, "seed": DEFAULT_SEED, "output": None}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a.startswith("--"):
+            key, _, value = a.partition("=")
+            if key not in _FLAGS:
+                raise VerifyUsageError(f"{key}: unknown flag; allowed " + ", ".join(_FLAGS))
+            if not value:
+                if i + 1 >= len(args):
+                    raise VerifyUsageError(f"{key}: missing value")
+                i += 1
+                value = args[i]
+            name = key[2:]
+            if name in ("nproc", "seed"):
+                try:
+                    number = int(value)
+                except ValueError:
+                    number = -1
+                if number < (1 if name == "nproc" else 0):
+                    raise VerifyUsageError(
+                        f"{key}={value}: allowed a "
+                        + ("positive" if name == "nproc" else "non-negative") + " integer")
+                flags[name] = number
+            else:
+                flags[name] = value
+        else:
+            overrides.append(a)
+        i += 1
+    return overrides, flags
+
+
+def check_inputs(cfg: Any, plan_path: Path | None, nproc: int | None) -> Any:
+    """Checks that need no artifact (before any stage runs): the process count, and a
+    plan file given with ``--plan`` against the config's mesh and model.
+
+    Returns the loaded plan or None.
+    """
+    from omegaconf import OmegaConf
+
+    from pipeline.plan.format import check_model_config, check_world_size, load
+
+    check_model_family(OmegaConf.to_container(cfg.model, resolve=True))
+    world = math.prod(int(s) for s in cfg.mesh)
+    if nproc is not None and nproc != world:
+        raise VerifyUsageError(
+            f"--nproc={nproc}: mesh={'x'.join(str(s) for s in cfg.mesh)} has {world} devices; "
+            f"allowed exactly {world} processes (one per device)")
+    if plan_path is None:
+        return None
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    plan = load(plan_path, mesh=tuple(int(s) for s in cfg.mesh),
+                model=model_hash_of_config(model_cfg))
+    check_model_config(plan, model_cfg)
+    check_world_size(plan, world if nproc is None else nproc)
+    return plan
+
+
+def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
+           seed: int = DEFAULT_SEED, output: Path | None = None,
+           start_method: str = "fork") -> dict[str, Any]:
+    """Verify the plan of a resolved config (see the module docstring); returns the
+    ``verify.json`` record (also written).
+
+    Raises:
+        PlanError: bad input (nothing written).
+    """
+    import torch.multiprocessing as mp
+    from omegaconf import OmegaConf
+
+    import pipeline.apply  # noqa: F401 - imported once here, not in every forked process
+    import pipeline.dtensor.cpu_kernels  # noqa: F401
+    from pipeline.config import stage_dirs
+    from pipeline.core import runtime
+    from pipeline.plan.format import PLAN_FILE, load
+    from pipeline.stages.runner import run_stage
+    from pipeline.stages.topology import load_nodes
+    from pipeline.stages.trace.stage import read_graph
+
+    started = time.perf_counter()
+    check_inputs(cfg, plan_path, nproc)
+    dirs = stage_dirs(cfg)
+    for stage in ("trace", "topology", "costs", "solve"):
+        run_stage(stage, cfg, dirs)
+    table, _ = read_graph(dirs.trace)
+    path = Path(plan_path) if plan_path is not None else Path(dirs.solve) / PLAN_FILE
+    world = math.prod(int(s) for s in cfg.mesh)
+    plan = load(path, mesh=tuple(int(s) for s in cfg.mesh), graph=table,
+                world_size=world if nproc is None else nproc)
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    from pipeline.plan.format import check_model
+
+    check_model(plan, build_real_model(model_cfg, seed))
+    nodes = load_nodes(table)
+    check_deterministic(nodes)
+    planned, planned_source = planned_collectives(plan)
+    prepared = time.perf_counter() - started
+    with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
+        job = {"world": world, "store": os.path.join(tmp, "store"), "out_dir": tmp,
+               "plan": plan, "nodes": nodes, "model_cfg": model_cfg, "seed": int(seed)}
+        start = time.perf_counter()
+        mp.start_processes(_worker, args=(job,), nprocs=world, start_method=start_method,
+                           join=True)
+        spawned = time.perf_counter() - start
+        ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
+    record = _record(cfg, plan, ranks, planned, planned_source, seed, Path(dirs.solve))
+    from pipeline.apply import torch_styles
+
+    styles = torch_styles(plan, nodes)
+    record["styles"] = {"fully_shard": {",".join(k): v for k, v in
+                                        styles.fully_shard_groups().items()},
+                        "parallelize_module": styles.parallelize_plans(),
+                        "unmatched": styles.unmatched}
+    record["seconds"] = {"prepare": prepared, "processes": spawned,
+                         "total": time.perf_counter() - started,
+                         "rank0": ranks[0].get("seconds", {})}
+    record["environment"] = runtime.environment()
+    record["git"] = runtime.git_revision()
+    target = Path(output) if output is not None else path.parent / VERIFY_FILE
+    runtime.write_json(target, record)
+    record["path"] = str(target)
+    return record
+
+
+def _record(cfg: Any, plan: Any, ranks: list[dict[str, Any]], planned: dict[str, int],
+            planned_source: str, seed: int, solve_dir: Path) -> dict[str, Any]:
+    errors = [r["error"] for r in ranks if "error" in r]
+    base: dict[str, Any] = {
+        "run_id": plan.run_id, "plan": str(plan.path), "placement_hash": plan.placement_hash,
+        "model": plan.model_name, "mesh": "x".join(map(str, plan.mesh_shape)),
+        "mesh_names": list(plan.mesh_names), "processes": len(ranks), "backend": "gloo",
+        "device": "cpu", "seed": int(seed), "compute_dtype": "float32",
+        "traced_param_dtype": str(cfg.model.get("param_dtype", "float32")), "rtol": RTOL}
+    if errors:
+        return {**base, "ok": False, "error": errors[0],
+                "checks": {"placements": False, "loss_and_grads": False, "collectives": False}}
+    r0 = ranks[0]
+    grads = r0["grads"]
+    missing = sorted(k for k, v in grads.items() if v.get("missing"))
+    rels = [r0["loss"]["rel_diff"]] + [v["rel_diff"] for v in grads.values()
+                                       if not v.get("missing")]
+    numbers_ok = not missing and all(x <= RTOL for x in rels)
+    counted = r0["collectives"]
+    same_on_ranks = all(r["collectives"] == counted for r in ranks)
+    op_coll = {k: v for r in ranks for k, v in r["op_collectives"].items()}
+    coll_ok = counted == planned and same_on_ranks and not op_coll
+    peak = [int(r["peak_local_bytes"]) for r in ranks]
+    return {
+        **base,
+        "ok": bool(numbers_ok and coll_ok),
+        "checks": {"placements": True, "loss_and_grads": bool(numbers_ok),
+                   "collectives": bool(coll_ok)},
+        "loss": r0["loss"],
+        "grads": grads, "grads_missing": missing,
+        "max_grad_rel_diff": max((v["rel_diff"] for v in grads.values()
+                                  if not v.get("missing")), default=0.0),
+        "placements": {"nodes_checked": r0["nodes_checked"], "as_planned": True,
+                       "redistributions": r0["redistributions"]},
+        "collectives": {
+            "counted": counted, "planned": planned, "planned_source": planned_source,
+            "equal": counted == planned, "same_on_every_rank": same_on_ranks,
+            "inside_ops": op_coll,
+            "how": ("one call of a functional collective on one mesh dim's process group is "
+                    "one collective (CommDebugMode, per kind and mesh dim); DTensor's CPU "
+                    "all-to-all (all-gather + chunk, gloo has no all-to-all) counts as "
+                    "all_to_all; planned: one per redistribution step in the collectives "
+                    "column of redistributions.parquet, a collective over a flattened "
+                    "group as DTensor's per-mesh-dim steps")},
+        "memory": {"peak_local_bytes_per_rank": peak, **_predicted_memory(solve_dir)},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m pipeline.verify``; returns the exit code."""
+    from pipeline.config import ConfigError, load_resolved
+    from pipeline.stages.runner import USER_ERRORS, configure_logging
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0
+    try:
+        overrides, flags = parse_args(args)
+        cfg = load_resolved(overrides)
+    except (ConfigError, PlanError) as err:
+        print(str(err).splitlines()[0], file=sys.stderr)
+        return 2
+    configure_logging()
+    try:
+        record = verify(cfg, plan_path=Path(flags["plan"]) if flags["plan"] else None,
+                        nproc=flags["nproc"], seed=flags["seed"],
+                        output=Path(flags["output"]) if flags["output"] else None)
+    except USER_ERRORS as err:
+        print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
+        return 2
+    if not record["ok"]:
+        reason = record.get("error") or ", ".join(k for k, v in record["checks"].items()
+                                                  if not v) + " failed"
+        print(f"verify: FAILED ({reason}); see {record['path']}", file=sys.stderr)
+        return 1
+    nodes = record["placements"]["nodes_checked"]
+    print(f"verify: ok: loss rel diff {record['loss']['rel_diff']:.2e}, max grad rel diff "
+          f"{record['max_grad_rel_diff']:.2e} (<= {RTOL:g}), {nodes} nodes as planned, "
+          f"collectives {record['collectives']['counted']} as planned; {record['path']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
