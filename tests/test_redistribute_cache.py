@@ -28,9 +28,9 @@ from pipeline.costmodel.redistribute import (
     placements_differ,
     plan,
     planner,
+    records,
     redistribute_table,
     redistribute_us,
-    tables,
 )
 from pipeline.costmodel.redistribute.steps import category
 from pipeline.dtensor.placements import parse_placements as pp
@@ -235,13 +235,13 @@ def test_pairs_are_planned_once_across_tables(hw, monkeypatch):
     pls = [pp("".join(c)) for c in itertools.product(toks, repeat=3)]
     mesh, shape = (2, 4, 8), (256, 512)
     calls = []
-    orig = tables.TableContext._batch_records
+    orig = records.TableContext._batch_records
 
     def counting(self, i, j):
         calls.extend(zip((self.norms[k] for k in i), (self.norms[k] for k in j)))
         return orig(self, i, j)
 
-    monkeypatch.setattr(tables.TableContext, "_batch_records", counting)
+    monkeypatch.setattr(records.TableContext, "_batch_records", counting)
     full = redistribute_table(shape, 2, pls, pls, mesh, hw)
     assert len(calls) == len(pls) ** 2 - len(pls)  # src == dst needs no plan
     assert len(set(calls)) == len(calls)
@@ -459,14 +459,14 @@ def test_clear_resets_every_cache(hw):
 
 
 def test_pairs_planned_in_blocks_give_the_same_table(hw, monkeypatch):
-    """The batch planner run on blocks of pairs (tables.PAIR_BLOCK) gives every entry of
+    """The batch planner run on blocks of pairs (records.PAIR_BLOCK) gives every entry of
     a 4-d table bit for bit as one call over all pairs, and each entry equals the
     scalar redistribute_us."""
     mesh = (2, 2, 2, 2)
     texts = ["".join(p) for p in itertools.product(["R", "S(0)", "S(1)", "P"], repeat=4)]
     pls = [pp(t) for t in texts]
     whole = redistribute_table((64, 32), 2, pls, pls, mesh, hw, interner=PlacementInterner())
-    monkeypatch.setattr(tables, "PAIR_BLOCK", 7)
+    monkeypatch.setattr(records, "PAIR_BLOCK", 7)
     blocks = redistribute_table((64, 32), 2, pls, pls, mesh, hw,
                                 interner=PlacementInterner())
     assert whole.shape == (256, 256)

@@ -21,8 +21,12 @@ module             job
                    collective over their flattened group (``flatten=True``)
 :mod:`.cost`       :func:`redistribute_us` / :func:`redistribute_steps`: one
                    redistribution, scalar
+:mod:`.records`    :class:`~.records.TableContext`: every (src, dst) pair planned once
+                   per mesh and tensor ndim and compiled into a record of step ids,
+                   shared by all tables
 :mod:`.tables`     :func:`redistribute_table` (all pairs, vectorised, bit-identical to
-                   :func:`redistribute_us`) and :func:`placements_differ`
+                   :func:`redistribute_us`: the records' steps costed and summed) and
+                   :func:`placements_differ`
 =================  ===================================================================
 
 Every public function takes an optional ``interner=``; without one the module-level

@@ -18,7 +18,7 @@ attribute                   holds
 ``plans``                   :func:`.planner.plan` results per (src, dst, mesh, shape)
 ``graph_states``            graph-planner start states per (placements, mesh)
 ``graph_contexts``          graph-planner edges and searches per (mesh, ndim, numel)
-``table_contexts``          :mod:`.tables` pair records per (mesh, tensor ndim)
+``table_contexts``          :mod:`.records` pair records per (mesh, tensor ndim)
 ``differ_ids``              :func:`.tables.placements_differ` tuple ids
 ==========================  ===========================================================
 
