@@ -1,6 +1,7 @@
 """The stage contracts of pipeline/core/artifacts.py: names, writers and readers that exist,
 the Snakemake outputs per cost mode, schema versions, and the ``factors.npz`` format
-(the complete MRF, constraint rows included) read back bit for bit."""
+(pipeline/stages/costs/factors_file.py: the complete MRF, constraint rows included) read
+back bit for bit."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from pipeline.core import artifacts
 from pipeline.core.errors import PlanError
 from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor
+from pipeline.stages.costs.factors_file import load_factors, save_factors
 
 
 def _resolve(dotted: str) -> object:
@@ -95,8 +97,8 @@ def _mrf_with_rows() -> tuple[MRF, list[PairwiseFactor]]:
 def test_factors_npz_round_trip_keeps_rows_and_values(tmp_path: Path) -> None:
     mrf, factors = _mrf_with_rows()
     path = tmp_path / artifacts.FACTORS_FILE
-    artifacts.save_factors(path, mrf, factors)
-    back = artifacts.load_factors(path)
+    save_factors(path, mrf, factors)
+    back = load_factors(path)
     assert back.constant == 0.5
     assert np.array_equal(back.domain_sizes, mrf.domain_sizes)
     assert np.array_equal(back.edges, mrf.edges)
@@ -121,21 +123,21 @@ def test_factors_npz_without_rows(tmp_path: Path) -> None:
     mrf, factors = _mrf_with_rows()
     mrf.linear_constraints = []
     path = tmp_path / artifacts.FACTORS_FILE
-    artifacts.save_factors(path, mrf, factors)
-    assert artifacts.load_factors(path).linear_constraints == []
+    save_factors(path, mrf, factors)
+    assert load_factors(path).linear_constraints == []
 
 
 def test_factors_npz_of_other_code_is_refused(tmp_path: Path) -> None:
     mrf, factors = _mrf_with_rows()
     path = tmp_path / artifacts.FACTORS_FILE
-    artifacts.save_factors(path, mrf, factors)
+    save_factors(path, mrf, factors)
     with np.load(path) as npz:
         z = {k: npz[k] for k in npz.files}
     del z["schema_version"]  # as written before versioning
     with open(path, "wb") as fh:
         np.savez(fh, **z)
     with pytest.raises(PlanError, match="schema_version=None, this code reads 1"):
-        artifacts.load_factors(path)
+        load_factors(path)
 
 
 @pytest.mark.toy_runs(("mesh=8", "lazy_costs=false"))

@@ -190,7 +190,7 @@ def test_no_budget_is_ddp_like(dp8: Path) -> None:
 
 @pytest.mark.toy_runs(("mesh=8", "lazy_costs=false"), ("mesh=8", "lazy_costs=true"))
 def test_eager_costs_store_the_budget_row(toy_results: ToyResults) -> None:
-    from pipeline.core.artifacts import load_factors
+    from pipeline.stages.costs.factors_file import load_factors
 
     toy_results.run("mesh=8", "lazy_costs=false")
     toy_results.run("mesh=8", "lazy_costs=true")

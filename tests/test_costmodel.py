@@ -603,7 +603,8 @@ def test_group_factors_equal_the_dense_sum_of_their_edges(toy_2x4, hw):
     dropped once read) equals, bit for bit, the dense ``[K_u, K_v]`` sum of its member
     edges' tables in graph-edge order from a cost model that memoises nothing; the memo
     is empty once every factor exists."""
-    from pipeline.stages.costs.stage import CostModel, FactorProvider, group_structure
+    from pipeline.costmodel.factors import FactorProvider, group_structure
+    from pipeline.costmodel.model import CostModel
 
     groups = group_structure(toy_2x4)
     lazy = FactorProvider(CostModel(toy_2x4, hw, memoise=True), groups)

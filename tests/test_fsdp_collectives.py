@@ -28,8 +28,9 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from pipeline.costmodel.comm import mesh_collective_params
 from pipeline.costmodel.fsdp import CollectiveOptions, edge_policy, param_units
 from pipeline.costmodel.hardware import COLLECTIVES, HardwareConfig
+from pipeline.costmodel.model import TRANSITION_COST, CostModel
 from pipeline.memory.graph import step_graph
-from pipeline.stages.costs.stage import TRANSITION_COST, CostModel, build_mrf
+from pipeline.stages.costs.stage import build_mrf
 from pipeline.stages.topology import TopologyTables
 
 TOY = dict(name="toy", dim=256, n_layers=2, n_heads=8, n_kv_heads=4, ffn_dim_multiplier=1.0,

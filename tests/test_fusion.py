@@ -15,7 +15,8 @@ import pytest
 from fixtures import traced_topology
 from omegaconf import OmegaConf
 
-from pipeline.stages.costs.stage import CostModel, build_mrf
+from pipeline.costmodel.model import CostModel
+from pipeline.stages.costs.stage import build_mrf
 
 HW = OmegaConf.create({
     "name": "h100", "peak_flops_bf16": 989.0e12, "peak_flops_fp32": 67.0e12,
@@ -149,7 +150,7 @@ def test_lazy_and_eager_fusion_agree_and_breakdown_adds_up(toy) -> None:
     term give the same energies; the breakdown's parts add up to the energy, and its
     fusion part is the difference to the MRF without the term."""
     from pipeline.costmodel.breakdown import plan_breakdown
-    from pipeline.stages.costs.stage import group_structure
+    from pipeline.costmodel.factors import group_structure
 
     lazy = build_mrf(toy, HW, lazy=True, fuse_pointwise=True)
     eager = build_mrf(toy, HW, lazy=False, fuse_pointwise=True)

@@ -411,13 +411,14 @@ def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) 
     byte below its peak must move some parameters to a sharded placement."""
     from dataclasses import replace
 
+    from pipeline.costmodel.factors import group_structure
     from pipeline.costmodel.hardware import load_hardware
     from pipeline.memory import memory_model
     from pipeline.memory.constraint import fit_plan
     from pipeline.solvers.ilp import solve_ilp
     from pipeline.solvers.lagrangian import solve_with_rows
     from pipeline.solvers.trws import solve_trws
-    from pipeline.stages.costs.stage import build_mrf, group_structure
+    from pipeline.stages.costs.stage import build_mrf
 
     hw = load_hardware(str(Path(__file__).resolve().parents[1] / "conf/hardware/h100.yaml"))
     mrf = build_mrf(toy8, hw, lazy=True).mrf
@@ -456,10 +457,12 @@ def test_checkpointing_pays_the_recomputed_forward_again(toy8: TopologyTables) -
     """``full``: each repeated layer's forward ops (weight casts and gathers aside) and
     the redistributions into them are paid twice; lazy and eager costs agree bit for
     bit."""
+    from pipeline.core.dtypes import itemsize
     from pipeline.costmodel.breakdown import plan_breakdown
+    from pipeline.costmodel.factors import group_structure
     from pipeline.costmodel.hardware import load_hardware
     from pipeline.costmodel.redistribute import redistribute_us
-    from pipeline.stages.costs.stage import build_mrf, group_structure, itemsize
+    from pipeline.stages.costs.stage import build_mrf
 
     hw = load_hardware(str(Path(__file__).resolve().parents[1] / "conf/hardware/h100.yaml"))
     plain = build_mrf(toy8, hw, lazy=True, memory=MemoryOptions())
@@ -499,8 +502,8 @@ def test_checkpointing_pays_the_recomputed_forward_again(toy8: TopologyTables) -
 def test_peak_row_prices_what_is_live_at_the_peak(toy8: TopologyTables) -> None:
     """The cut of the liveness check, evaluated at the plan it was made from, is that
     plan's peak (every live allocation, priced by its node's strategy)."""
+    from pipeline.costmodel.factors import group_structure
     from pipeline.memory import memory_model
-    from pipeline.stages.costs.stage import group_structure
 
     gs = group_structure(toy8)
     rng = np.random.default_rng(2)

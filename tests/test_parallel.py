@@ -92,7 +92,8 @@ def _topology(cfg: object, nodes: list, out: Path, workers: int) -> object:
 
 
 def test_parallel_topology_and_factors_equal_serial(toy_graph: object, tmp_path: Path) -> None:
-    from pipeline.stages.costs import stage as C
+    from pipeline.config.readers import param_memory_config
+    from pipeline.stages.costs.stage import build_mrf, memory_config
 
     cfg, nodes = toy_graph
     serial = _topology(cfg, nodes, tmp_path / "w1", 1)
@@ -102,9 +103,9 @@ def test_parallel_topology_and_factors_equal_serial(toy_graph: object, tmp_path:
     assert parallel.summary["counts"] == serial.summary["counts"]
 
     def factors(workers: int) -> tuple[list, object]:
-        costs = C.build_mrf(serial, cfg.hardware, lazy=True,
-                            param_memory=C.param_memory_config(cfg), **C.memory_config(cfg),
-                            fuse_pointwise=True)
+        costs = build_mrf(serial, cfg.hardware, lazy=True,
+                          param_memory=param_memory_config(cfg), **memory_config(cfg),
+                          fuse_pointwise=True)
         provider = costs.factor_provider
         chunks, work = provider.work_chunks(workers)
         provider.build_parallel(workers, min_work=0)  # the toy is below the threshold

@@ -26,11 +26,12 @@ process watching its imports, llama1b's topology) go through the same pool with 
 own results directories. The 2x4x8 cases are listed in :data:`MESHES_2X4X8` (about one
 minute per cost mode) and marked ``slow``.
 
-``test_eager_factors_load_once`` checks that ``pipeline.stages.costs.stage.load_factors`` keeps
-each array of ``factors.npz`` once. Should it again keep a full copy of the archive per
-factor (:data:`LOAD_FACTORS_COPIES_ARCHIVE`, probed on a small synthetic MRF), that
-test fails, and the eager 2x4x8 run is not started (it would be OOM-killed): the
-checks that need it are skipped.
+``test_eager_factors_load_once`` checks that
+``pipeline.stages.costs.factors_file.load_factors`` keeps each array of ``factors.npz``
+once. Should it again keep a full copy of the archive per factor
+(:data:`LOAD_FACTORS_COPIES_ARCHIVE`, probed on a small synthetic MRF), that test fails,
+and the eager 2x4x8 run is not started (it would be OOM-killed): the checks that need it
+are skipped.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def _retained_bytes(arrays: list) -> int:
 
 
 def load_factors_overhead(path: Path) -> float:
-    """Bytes kept alive by ``pipeline.stages.costs.stage.load_factors(path)`` over the bytes of the
-    factors themselves (1.0 when every array of the archive is held once)."""
-    from pipeline.stages.costs.stage import load_factors
+    """Bytes kept alive by ``pipeline.stages.costs.factors_file.load_factors(path)`` over the
+    bytes of the factors themselves (1.0 when every array of the archive is held once)."""
+    from pipeline.stages.costs.factors_file import load_factors
 
     mrf = load_factors(path)
     arrays = list(mrf.unary)
@@ -96,7 +97,7 @@ def _probe_load_factors() -> float:
     import numpy as np
 
     from pipeline.solvers.mrf import MRF, PairwiseFactor
-    from pipeline.stages.costs.stage import load_factors, save_factors
+    from pipeline.stages.costs.factors_file import load_factors, save_factors
 
     rng = np.random.default_rng(0)
     k, groups = 20, 31
@@ -118,8 +119,8 @@ def _probe_load_factors() -> float:
         return load_factors_overhead(path)
 
 
-#: Whether pipeline.stages.costs.stage.load_factors keeps a copy of the whole archive per factor
-#: (as it did when it indexed the lazy ``np.load`` archive inside its loop: the eager
+#: Whether pipeline.stages.costs.factors_file.load_factors keeps a copy of the whole archive per
+#: factor (as it did when it indexed the lazy ``np.load`` archive inside its loop: the eager
 #: 2x4x8 solve then needs ~35 GB, OOM). While this holds, test_eager_factors_load_once
 #: fails, and the eager 2x4x8 run is not started. A probe that raises counts as a copy
 #: (the run is not risked); the test then fails with the probe's error.
@@ -127,7 +128,7 @@ try:
     LOAD_FACTORS_COPIES_ARCHIVE = _probe_load_factors() > 2.0
 except Exception:  # noqa: BLE001 - collection must go on; test_eager_factors_load_once raises it
     LOAD_FACTORS_COPIES_ARCHIVE = True
-LOAD_FACTORS_REASON = ("pipeline.stages.costs.stage.load_factors re-reads whole arrays of "
+LOAD_FACTORS_REASON = ("pipeline.stages.costs.factors_file.load_factors re-reads whole arrays of "
                        "factors.npz "
                        "for every factor (z['table'] inside the loop), so the eager 2x4x8 "
                        "solve needs tens of GB and is OOM-killed")
@@ -342,7 +343,7 @@ def _is_elementwise(op: str) -> bool:
 
 def evaluate_plan(plan: list[dict], tt: Any, mesh: tuple[int, ...], hw: Any,
                   fuse: bool = True) -> Evaluation:
-    """E(x) of a plan (the objective of pipeline/stages/costs/stage.py), from its placements and the
+    """E(x) of a plan (the objective of pipeline/costmodel/model.py), from its placements and the
     topology's shapes only.
 
     Compute: roofline on the local shapes (inputs read + outputs written), 0 for

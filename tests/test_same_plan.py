@@ -29,9 +29,9 @@ from fixtures import traced_topology
 from pipeline.costmodel.breakdown import plan_breakdown
 from pipeline.costmodel.fsdp import CollectiveOptions
 from pipeline.costmodel.hardware import HardwareConfig
+from pipeline.costmodel.model import CostModel
 from pipeline.costmodel.steptime import plan_step_inputs, simulate
 from pipeline.memory.graph import step_graph
-from pipeline.stages.costs.stage import CostModel
 from pipeline.stages.topology import read_topology
 
 pytestmark = pytest.mark.slow

@@ -338,7 +338,7 @@ def test_toy_softmax_unary_holds_its_all_reduces(toy) -> None:
     """In the traced toy step (2 x 64 tokens, vocabulary 1024, fp32 logits) on 2 x 4,
     the log_softmax under S(0)S(1) costs its roofline on [64, 256] (7 µs floor: 2 x 64
     KiB moved) plus two all-reduces of 64 fp32 values over cp; the backward one."""
-    from pipeline.stages.costs.stage import CostModel
+    from pipeline.costmodel.model import CostModel
 
     cm = CostModel(toy, HW, memoise=True)
     target = toy.nodes["target"]

@@ -1,27 +1,31 @@
 """Configuration: Hydra structured configs, validation, resolution and result paths.
 
-Hydra is the single source of configuration (every key: docs/config.md). This package
+Hydra is the single source of configuration (every key: docs/config.md).
 
-* declares the schema (:class:`Config` and its parts) and registers it in Hydra's
-  ``ConfigStore`` (:func:`register_configs`); the YAML files under ``conf/`` are
-  merged onto it, so a misspelt key or a value of the wrong type is refused
-  (:mod:`pipeline.config.schema`);
-* renders values in Hydra's override grammar (:func:`override_value`), normalises and
-  checks overrides and expands sweeps (:mod:`pipeline.config.overrides`);
-* composes a config from Hydra overrides with the compose API (:func:`load_config`,
-  :mod:`pipeline.config.compose`);
-* validates and resolves it (:func:`resolve`, :mod:`pipeline.config.validate`): ``mesh``
-  becomes a list of ints, ``mesh_names``, ``lazy_costs`` and
-  ``constraints.param_memory.high`` get their defaults, and every bad value raises
-  :class:`ConfigError` with a one-line message naming the key, the value and what is
-  allowed;
-* derives the deterministic result directories from the resolved config
-  (:func:`stage_dirs`) and a hash of each stage's source code
-  (:func:`stage_code_hash`) (:mod:`pipeline.config.paths`);
-* maps Snakemake ``--config`` keys to Hydra overrides
-  (:func:`overrides_from_snakemake`) and renders the part of a resolved config a
-  stage depends on back into overrides (:func:`stage_overrides`)
-  (:mod:`pipeline.config.snakemake`).
+=================  ==================================================================
+module             job
+=================  ==================================================================
+``schema``         the schema (:class:`Config` and its parts), registered in Hydra's
+                   ``ConfigStore`` (:func:`register_configs`); the YAML files under
+                   ``conf/`` are merged onto it, so a misspelt key or a value of the
+                   wrong type is refused
+``overrides``      values in Hydra's override grammar (:func:`override_value`);
+                   overrides normalised, checked, sweeps expanded
+``compose``        a config composed from Hydra overrides (:func:`load_config`)
+``validate``       validation and resolution (:func:`resolve`): ``mesh`` becomes a
+                   list of ints, ``mesh_names``, ``lazy_costs`` and
+                   ``constraints.param_memory.high`` get their defaults, and every bad
+                   value raises :class:`ConfigError` with a one-line message naming
+                   the key, the value and what is allowed
+``paths``          the deterministic result directories of a resolved config
+                   (:func:`stage_dirs`) and each stage's code hash
+                   (:func:`stage_code_hash`)
+``snakemake``      Snakemake ``--config`` keys as Hydra overrides
+                   (:func:`overrides_from_snakemake`), and the part of a resolved config
+                   a stage depends on as overrides (:func:`stage_overrides`)
+``readers``        plain values the stages pass to the libraries (parameter-memory
+                   budget, pointwise fusion, workers), torch-free
+=================  ==================================================================
 
 Result layout (one directory level per stage, each named by a readable key plus
 the first 8 hex digits of the SHA-256 of the canonical JSON of the resolved config

@@ -8,6 +8,7 @@ module             job
                    git revision (provenance of every artifact)
 ``artifacts``      every file a stage writes: name, owner, schema version, stamps
 ``ir``             the graph IR's JSON conventions (refs, ops) shared by the stages
+``dtypes``         bytes per element of a dtype name (the torch table, without torch)
 ``parallel``       forked workers for independent parts of a stage
 ``progress``       progress bars and log lines of long phases
 ``schema_types``   type checks of structured-config dataclasses

@@ -1,6 +1,6 @@
 """Costs stage, the explanation of a plan: its objective per node and per edge.
 
-For a strategy ``x`` (one index per node) the objective of pipeline/stages/costs/stage.py splits as
+For a strategy ``x`` (one index per node) the objective of pipeline/costmodel/model.py splits as
 
     E(x) = sum_v compute_v + sum_v comm_v + sum_v transition_v + sum_v fusion_v
 
@@ -21,7 +21,7 @@ For a strategy ``x`` (one index per node) the objective of pipeline/stages/costs
 Each edge is costed for its chosen pair with the scalar
 :func:`~pipeline.costmodel.redistribute.redistribute_steps` (bit-identical to the table
 entries the solver used), once per (edge class, source class, destination class)
-(:meth:`~pipeline.stages.costs.stage.CostModel.edge_classes`: the copies of a repeated layer share
+(:meth:`~pipeline.costmodel.model.CostModel.edge_classes`: the copies of a repeated layer share
 one costing). The same steps give the plan's collectives: every edge whose placements
 differ is a row of ``redistributions.parquet`` (written by pipeline/stages/solve/stage.py).
 """
@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from pipeline.core.dtypes import itemsize
 
 
 @dataclass
@@ -76,13 +78,13 @@ def plan_breakdown(cost_model: Any, strategy: np.ndarray,
     """Break the objective of ``strategy`` (int ``[num_nodes]``) down by node and list
     its redistributions (see the module docstring).
 
-    ``cost_model``: the :class:`~pipeline.stages.costs.stage.CostModel` of the run (lazy: the one
+    ``cost_model``: the :class:`~pipeline.costmodel.model.CostModel` of the run (lazy: the one
     behind the solver's factors; eager: a memoising one over the same topology).
     ``mesh_names`` name the mesh dims in ``collectives`` (default ``0``, ``1``, ...).
     """
+    from pipeline.costmodel.model import TRANSITION_COST
     from pipeline.costmodel.redistribute import KINDS, redistribute_steps
     from pipeline.dtensor.placements import format_placements
-    from pipeline.stages.costs.stage import TRANSITION_COST, itemsize
 
     collectives = KINDS[:4]  # all_gather, reduce_scatter, all_reduce, all_to_all
     names = mesh_names or [str(i) for i in range(len(cost_model.mesh_shape))]
@@ -158,8 +160,6 @@ def _reduce_dtype(steps: Any, dtype: str, reduce_itemsize: int) -> str | None:
     (pipeline/costmodel/fsdp.py), else the tensor's; None when it has no reduction."""
     if not any(st.kind in ("reduce_scatter", "all_reduce") for st in steps or ()):
         return None
-    from pipeline.stages.costs.stage import itemsize
-
     if reduce_itemsize > itemsize(dtype):
         return _DTYPE_OF_ITEMSIZE.get(reduce_itemsize, dtype)
     return dtype

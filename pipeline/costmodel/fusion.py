@@ -49,6 +49,8 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.dtypes import itemsize
+
 __all__ = ["PointwiseFusion", "is_fusable_op"]
 
 _CASTS = frozenset({"aten._to_copy.default"})
@@ -74,7 +76,7 @@ def is_fusable_op(target: str) -> bool:
 
 
 class PointwiseFusion:
-    """The fusion term of a :class:`~pipeline.stages.costs.stage.CostModel`'s edges
+    """The fusion term of a :class:`~pipeline.costmodel.model.CostModel`'s edges
     (module docstring).
 
     ``edge_key(e)`` is what the term depends on beyond the cost model's edge key (the
@@ -136,7 +138,6 @@ class PointwiseFusion:
     def _floor_part(self, v: int, a: int) -> np.ndarray:
         """``f_v`` per column class of argument ``a`` (module docstring)."""
         from pipeline.dtensor.placements import local_shape, parse_output, parse_placements
-        from pipeline.stages.costs.stage import itemsize
 
         cm = self.cm
         key = (cm.slist[v], a)
@@ -172,7 +173,6 @@ class PointwiseFusion:
         fuse."""
         from pipeline.costmodel.redistribute import placements_differ
         from pipeline.dtensor.placements import local_shape
-        from pipeline.stages.costs.stage import itemsize
 
         key = self.edge_key(e)
         if not key:

@@ -2,7 +2,7 @@
 mesh dim, simulated in graph order.
 
 The solvers minimise the additive objective ``E(x) = sum compute + sum comm +
-transitions`` (pipeline/stages/costs/stage.py). A real step overlaps part of the communication with
+transitions`` (pipeline/costmodel/model.py). A real step overlaps part of the communication with
 compute; this module estimates by how much, for the chosen plan only, with the same
 node and edge times the objective used (:func:`pipeline.costmodel.breakdown.plan_breakdown`:
 each node's ``compute_us``, each redistribution's ``comm_us``; the per-mesh-dim steps
@@ -76,6 +76,8 @@ import heapq
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipeline.core.dtypes import itemsize
 
 __all__ = [
     "EDGE_KINDS",
@@ -420,7 +422,7 @@ def plan_step_inputs(topology: Any, cost_model: Any, strategy: Any, parts: Any,
     """The simulator's inputs for a solved plan.
 
     ``topology``: :class:`pipeline.stages.topology.TopologyTables`; ``cost_model``: the run's
-    :class:`pipeline.stages.costs.stage.CostModel`; ``strategy``: int ``[num_nodes]``;
+    :class:`pipeline.costmodel.model.CostModel`; ``strategy``: int ``[num_nodes]``;
     ``parts``: its
     :class:`pipeline.costmodel.breakdown.PlanBreakdown` (node compute and each redistribution's
     ``comm_us``, the numbers of the objective); ``weight_derived``: per node
@@ -429,7 +431,6 @@ def plan_step_inputs(topology: Any, cost_model: Any, strategy: Any, parts: Any,
     ``comm_us``.
     """
     from pipeline.costmodel.redistribute import redistribute_steps
-    from pipeline.stages.costs.stage import itemsize
 
     nodes = topology.nodes
     strat = [int(s) for s in strategy]

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.dtypes import itemsize
 from pipeline.core.errors import PlanError
 from pipeline.dtensor.placements import local_shape, parse_placements
 from pipeline.solvers.mrf import LinearConstraint
@@ -121,8 +122,6 @@ def param_budget(topology: Any, group_of: np.ndarray, domain: np.ndarray, cfg_bu
         params.append(v)
         ratios[v] = param_ratios(topology, v)
         meta = _out_meta(topology, v)
-        from pipeline.stages.costs.stage import itemsize
-
         bytes_of[v] = (math.prod(meta["shape"]) if meta["shape"] else 1) * itemsize(meta["dtype"])
     if not params:
         return ParamBudget(None, low, high, [], {}, {}, excluded, high)

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.dtypes import itemsize
 from pipeline.dtensor.placements import local_shape, parse_placements
 from pipeline.memory.graph import StepGraph
 from pipeline.memory.options import MemoryOptions
@@ -53,18 +54,10 @@ KINDS = ("parameters", "gradients", "optimizer_state", "buffers", "saved_activat
          "gathered_weights")
 
 
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    dt = getattr(torch, dtype, None)
-    if not isinstance(dt, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}")
-    return dt.itemsize
-
-
 def element_text(text: str, element: int, ndim: int) -> str:
     """Placement text of output ``element`` (``-1``: the single output) of a strategy's
-    output text; a non-tensor / unsharded element (``-``) is Replicate."""
+    output text; a non-tensor / unsharded element (``-``, e.g. SDPA's RNG state: a plain
+    tensor on every rank) is Replicate."""
     if not text.startswith("("):
         return text
     part = text[1:-1].split("|")[max(element, 0)]
@@ -103,7 +96,7 @@ class SlotBytes:
         if hit is None:
             loc = local_shape(shape, parse_placements(text, self.ndim), self.mesh) if shape \
                 else ()
-            hit = self._text_memo[key] = (math.prod(loc) if loc else 1) * _itemsize(dtype)
+            hit = self._text_memo[key] = (math.prod(loc) if loc else 1) * itemsize(dtype)
         return hit
 
     def of_node(self, node: int, element: int = -1) -> np.ndarray:
@@ -125,7 +118,7 @@ class SlotBytes:
     def numel_of_node(self, node: int) -> np.ndarray:
         """Local elements of a single-output node under each strategy."""
         meta = self.out_meta(node, -1)
-        return self.of_node(node) / _itemsize(meta["dtype"])
+        return self.of_node(node) / itemsize(meta["dtype"])
 
     def of_input(self, node: int, arg: int) -> np.ndarray:
         """Local bytes of tensor argument ``arg`` of ``node`` as each strategy of the

@@ -7,7 +7,8 @@ Problem: minimise E(x) subject to linear rows ``L_i <= g_i(x) <= H_i``,
   over allowed labels, every feasible x puts each group at a minimum of its
   coefficient, so the row is *exactly* a domain restriction: labels with a
   larger coefficient get unary +inf (no multiplier needed, bound unchanged).
-  Every row is checked in turn.
+  Every row is checked in turn (:func:`tighten`; :func:`allowed_unaries`: the labels
+  the rows leave a plan).
 * Weak duality. For signed multipliers ``mu_i`` (``mu_i > 0`` prices the upper
   side, ``T_i = H_i``; ``mu_i < 0`` the lower side, ``T_i = L_i``) every
   feasible x has ``mu_i (g_i(x) - T_i) <= 0``, hence (Boyd & Vandenberghe 2004,
@@ -60,6 +61,7 @@ from pipeline.solvers.result import SolverResult, certified_status, is_certified
 
 __all__ = [
     "RowProgressFn",
+    "allowed_unaries",
     "RowSearch",
     "repair",
     "row_value",
@@ -92,6 +94,16 @@ def tighten(mrf: MRF, row: LinearConstraint) -> tuple[MRF, bool]:
         cmin = float(c[ok].min())
         unary[g] = np.where(c <= cmin * (1 + 1e-12) + 1e-15, unary[g], np.inf)
     return replace(mrf, unary=unary), True
+
+
+def allowed_unaries(mrf: MRF) -> list[np.ndarray]:
+    """The unaries with the labels an exactly tight row excludes set to +inf (the
+    default parameter budget allows only each parameter's most sharded placements):
+    finite entries are the labels a plan may use."""
+    out = replace(mrf, linear_constraints=[])
+    for row in mrf.linear_constraints:
+        out, _ = tighten(out, row)
+    return list(out.unary)
 
 
 def _penalised(mrf: MRF, rows: Sequence[LinearConstraint], mult: Sequence[float]) -> MRF:

@@ -35,6 +35,7 @@ from pipeline.config import (
     stage_code_hash,
     stage_dirs,
 )
+from pipeline.config.readers import workers_config
 from pipeline.core import artifacts
 from pipeline.core.artifacts import CODE_STAMP, LOCK_FILE, SENTINELS, stage_outputs
 
@@ -227,7 +228,6 @@ def _call_stage(stage: str, cfg: DictConfig, dirs: StageDirs) -> None:
 
         run_solve(cfg, dirs)
     elif stage == "report":
-        from pipeline.stages.costs.stage import workers_config
         from pipeline.stages.report.stage import run_report
 
         run_report(Path(cfg.results_dir), workers=workers_config(cfg))

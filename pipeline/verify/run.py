@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.core import runtime
+from pipeline.core.dtypes import itemsize
 from pipeline.core.errors import PlanError
 
 log = logging.getLogger(__name__)
@@ -348,7 +349,6 @@ def dtensor_collectives(row: dict[str, Any], mesh_shape: Sequence[int],
     from pipeline.costmodel.hardware import HardwareConfig
     from pipeline.costmodel.redistribute import redistribute_steps
     from pipeline.dtensor.placements import parse_placements
-    from pipeline.stages.costs.stage import itemsize
 
     ndim = len(mesh_shape)
     steps = redistribute_steps(row["shape"], itemsize(row["dtype"]),

@@ -3,7 +3,9 @@
 ================  ================================================================
 module            job
 ================  ================================================================
-``stage``         :func:`run_costs` / :func:`load_costs`: build and store the MRF
+``stage``         :func:`run_costs` / :func:`load_costs`: build (:func:`build_mrf`,
+                  from pipeline/costmodel/) and store the MRF
+``factors_file``  ``factors.npz``: the eager MRF written and read back bit for bit
 ``problem_size``  estimate of the problem before the factors are built (a refusal
                   in one line when it would not fit)
 ================  ================================================================

@@ -10,7 +10,7 @@ started. :func:`estimate` reads the topology artifacts (``nodes.parquet``,
 * ``class_pairs``: ``sum_e R_e * C_e`` over graph edges ``e = (u, v)``, with ``R_e`` the
   producer's distinct output placements (its row classes) and ``C_e`` the consumer's
   distinct expected placements of that argument (its column classes): the entries of
-  the edge tables the cost model computes (pipeline/stages/costs/stage.py), before memoisation;
+  the edge tables the cost model computes (pipeline/costmodel/model.py), before memoisation;
 * ``group_edges`` and ``message_labels``, ``sum_(g,h) |D_g| + |D_h|`` over group edges
   (TRW-S keeps two messages and two class maps per group edge);
 * ``group_pairs``, ``sum_f R_f * C_f`` over the group factors ``f`` (joint classes of
@@ -26,7 +26,7 @@ label (unaries, labels' costs and bounds) and :data:`BYTES_PER_MESSAGE_LABEL` pe
 message label (two float64 messages and an int32 class map), plus :data:`BASE_BYTES`
 for the process (torch, the trace, the topology). The edge tables themselves
 (``class_pairs``) are not held: a memoised table leaves the cost model once the group
-factors reading it are built (pipeline/stages/costs/stage.py). Calibrated on this 2-core Intel Xeon
+factors reading it are built (pipeline/costmodel/factors.py). Calibrated on this 2-core Intel Xeon
 (24 GiB, shared with other jobs), lazy costs, TRW-S, ``python -m pipeline`` in one
 process, peak RSS by ``/usr/bin/time -v``:
 
@@ -151,14 +151,15 @@ def estimate(topology_dir: Path | str) -> ProblemSize:
 
 def group_class_pairs(topology_dir: Path | str) -> int:
     """``sum_f R_f * C_f`` over the group factors ``f``: the entries of the pairwise
-    tables the solver holds (pipeline/stages/costs/stage.py :class:`FactorProvider`), with ``R_f``
+    tables the solver holds (pipeline/costmodel/factors.py :class:`FactorProvider`), with ``R_f``
     (``C_f``) the joint row (column) classes of the factor's member edges, the distinct
     rows of their stacked class vectors. Counted from the class vectors alone (no cost
     is computed); member edges with the same strategy lists, output element and
     argument have equal class vectors and are stacked once."""
     import numpy as np
 
-    from pipeline.stages.costs.stage import _element_text, group_structure
+    from pipeline.costmodel.factors import group_structure
+    from pipeline.memory.terms import element_text
     from pipeline.stages.topology import read_topology
 
     topology = read_topology(Path(topology_dir))
@@ -174,7 +175,7 @@ def group_class_pairs(topology_dir: Path | str) -> int:
             if kind == "out":
                 texts = topology.slist_outputs[s]
                 if k >= 0:
-                    texts = [_element_text(t, k, ndim) for t in texts]
+                    texts = [element_text(t, k, ndim) for t in texts]
             else:
                 texts = [ins[k] for ins in topology.slist_inputs[s]]
             hit = memo[(kind, s, k)] = np.unique(texts, return_inverse=True)[1].reshape(-1)

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from pipeline.config.readers import workers_config
 from pipeline.core import artifacts, progress, runtime
 from pipeline.core.artifacts import (  # noqa: F401 - file names, re-exported
     GRAPH,
@@ -54,8 +55,10 @@ from pipeline.core.artifacts import (  # noqa: F401 - file names, re-exported
     SOLUTION_FILE,
 )
 from pipeline.costmodel.breakdown import plan_breakdown
+from pipeline.costmodel.factors import PARALLEL_MIN_WORK, group_structure
 from pipeline.plan.format import plan_of_run, write_plan
-from pipeline.stages.costs.stage import Costs, group_structure, load_costs
+from pipeline.solvers.lagrangian import allowed_unaries
+from pipeline.stages.costs.stage import Costs, load_costs
 from pipeline.stages.topology import TopologyTables, read_topology
 
 log = logging.getLogger(__name__)
@@ -240,7 +243,6 @@ def _solve_fitting(cfg: Any, costs: Costs, out_dir: Path) -> tuple[Any, Any, Any
     fit)`` with ``fit`` None without a limit (else ``fit.rows`` are the memory rows of
     the last solve)."""
     from pipeline.memory.constraint import fit_plan, is_memory_row
-    from pipeline.stages.costs.stage import allowed_unaries
 
     mrf, provider, model = costs.mrf, costs.factor_provider, costs.memory
     row = next((r for r in mrf.linear_constraints if is_memory_row(r)), None)
@@ -308,8 +310,6 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     built_before = provider.factor_seconds if provider is not None else 0.0
     start = time.perf_counter()
     if provider is not None:  # lazy costs: every factor is needed; build them in parallel
-        from pipeline.stages.costs.stage import PARALLEL_MIN_WORK, workers_config
-
         provider.build_parallel(workers_config(cfg), PARALLEL_MIN_WORK)
     result, presolve, fit = _solve_fitting(cfg, costs, out_dir)
     if fit is not None:
