@@ -4,7 +4,8 @@ says where they came from, written atomically into ``docs/results/<name>.md``.
 Header lines, in order (every page has each, "not recorded" where the source lacks it):
 
 * ``page``: the command that wrote the page and the git revision of the checkout it ran
-  in (:func:`pipeline.core.runtime.git_revision`), on which machine
+  in (:func:`page_revision`: :func:`pipeline.core.runtime.git_revision`, dirty only for
+  changes outside the pages' directory), on which machine
   (:func:`pipeline.core.runtime.cpu_model`);
 * ``numbers``: the command that produced the source table, and the source file;
 * ``git revision of the numbers``: the revision(s) recorded by the runs themselves;
@@ -24,6 +25,7 @@ import math
 import os
 import re
 import shlex
+import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,9 +187,26 @@ def render(page: Page, page_git: dict[str, Any], page_machine: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def page_revision(out_dir: Path) -> dict[str, Any]:
+    """:func:`pipeline.core.runtime.git_revision` of the checkout, ``dirty`` judged
+    without ``out_dir`` (rewriting the pages themselves does not make the code dirty)."""
+    git = runtime.git_revision()
+    if git.get("revision") is None:
+        return git
+    try:
+        outside = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+             f":(exclude){Path(out_dir).resolve().as_posix()}"],
+            cwd=runtime.PROJECT_ROOT, capture_output=True, text=True, check=True,
+            timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return git
+    return {**git, "dirty": bool(outside.strip())}
+
+
 def write_page(page: Page, out_dir: Path) -> Path:
     """Write ``out_dir/<name>.md`` atomically, then the index; return the page's path."""
-    text = render(page, runtime.git_revision(), runtime.cpu_model())
+    text = render(page, page_revision(out_dir), runtime.cpu_model())
     path = Path(out_dir) / f"{page.name}.md"
     with runtime.atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
