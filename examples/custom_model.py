@@ -1,6 +1,6 @@
 """A small language model of your own, planned by the pipeline without touching its code.
 
-README, "Planning Hugging Face and custom models": from this directory,
+docs/models.md, "Your own module": from this directory,
 
     python -m pipeline model=custom model.builder._target_=custom_model.TinyLM \
         model.builder.layers=2 "model.inputs=[{name:tokens,shape:[16,256],dtype:int64,high:1000}]" \

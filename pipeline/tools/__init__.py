@@ -7,5 +7,6 @@ package        job
 ``paper``      ``python -m pipeline.tools.paper``: the paper's figures and tables
 ``shapes``     ``python -m pipeline.tools.shapes``: every mesh shape of a world size
 ``profile``    ``python -m pipeline.tools.profile``: the reference planner's flags
+``results``    ``python -m pipeline.tools.results``: the pages of ``docs/results/``
 =============  ===================================================================
 """
