@@ -126,7 +126,7 @@ class CostModel:
         memoise: memoise edge tables by signature (lazy mode); eager mode
             computes one table per graph edge.
         recompute: activation checkpointing's recomputation
-            (:meth:`pipeline.memory.StepGraph.recomputed_nodes` / ``recomputed_edges``):
+            (:meth:`pipeline.memory.graph.StepGraph.recomputed_nodes` / ``recomputed_edges``):
             bool ``[num_nodes]`` and ``[num_edges]``; a recomputed node's compute and a
             recomputed edge's redistribution are paid twice (forward, then again before
             the layer's backward). None: nothing is recomputed.
@@ -772,7 +772,7 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
 
     ``param_memory``: ``constraints.param_memory`` as plain data (``{low, high}``), or
     None for no budget row. ``memory``: the
-    :class:`~pipeline.memory.MemoryOptions` of the step (None: no memory model, no
+    :class:`~pipeline.memory.options.MemoryOptions` of the step (None: no memory model, no
     recomputation); ``device_memory``: ``(bytes, text)`` of
     ``constraints.device_memory`` or ``(None, None)`` for no device-memory row.
     ``collectives``: the :class:`~pipeline.costmodel.fsdp.CollectiveOptions` (FSDP2
@@ -787,7 +787,7 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
     groups = group_structure(topology)
     model = None
     if memory is not None:
-        from pipeline.memory import memory_model
+        from pipeline.memory.model import memory_model
 
         model = memory_model(topology, groups.group_of, groups.domain, memory,
                              device_memory[0], device_memory[1])
@@ -846,7 +846,7 @@ def memory_config(cfg: Any) -> dict[str, Any]:
     ``memory`` (optimizer, checkpointing, FSDP resharding), ``device_memory`` and
     ``collectives`` (FSDP2's buckets, re-gather and reduce dtype)."""
     from pipeline.costmodel.fsdp import collective_options_of_config
-    from pipeline.memory import device_memory_of_config, options_of_config
+    from pipeline.memory.options import device_memory_of_config, options_of_config
 
     return {"memory": options_of_config(cfg), "device_memory": device_memory_of_config(cfg),
             "collectives": collective_options_of_config(cfg)}
@@ -874,7 +874,7 @@ def load_costs(cfg: Any, topology: TopologyTables, costs_dir: Path) -> Costs:
                           param_memory=param_memory_config(cfg), **memory_config(cfg),
                           fuse_pointwise=fuse_pointwise_config(cfg))
     else:
-        from pipeline.memory import memory_model
+        from pipeline.memory.model import memory_model
 
         mrf = load_factors(FACTORS.path(costs_dir))
         budget = None
