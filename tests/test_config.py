@@ -612,7 +612,7 @@ def fake_stages(monkeypatch):
 
 
 def test_run_pipeline_reuses_current_artifacts(tmp_path, fake_stages, monkeypatch):
-    from pipeline.__main__ import run_pipeline
+    from pipeline.stages.runner import run_pipeline
 
     monkeypatch.chdir(tmp_path)
     cfg = load_resolved(["model=toy"])
