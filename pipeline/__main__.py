@@ -5,8 +5,9 @@
     python -m pipeline -m lazy_costs=true,false mesh=8,2x4,2x4x8     # Hydra sweep
 
 Stages trace -> topology -> costs -> solve run in order, each reusing its artifact
-when it is current (see :func:`pipeline.stages.runner.run_stage`), then the report over all
-runs under ``results_dir`` (a sweep writes it once, after its last job). Every
+when it is current, then the report over all runs under ``results_dir`` (a sweep writes
+it once, after its last job): :func:`pipeline.stages.runner.run_pipeline` and
+:func:`~pipeline.stages.runner.report_once`; this module is the Hydra entry. Every
 override of every job of a sweep is validated before anything runs: a bad value prints
 one line on stderr and exits with 2.
 Hydra writes nothing on a single run; a multirun writes only its ``multirun.yaml``
@@ -15,7 +16,6 @@ under ``<results_dir>/hydra/multirun/``.
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -24,46 +24,20 @@ from omegaconf import DictConfig
 
 from pipeline.config import (
     CONF_DIR,
-    STAGES,
     ConfigError,
     load_resolved,
     normalise_overrides,
     register_configs,
     resolve,
-    stage_dirs,
     sweep_overrides,
 )
-from pipeline.core.runtime import PhaseTimer
-from pipeline.stages.runner import PHASES, configure_logging, run_stage, sentinel
-
-log = logging.getLogger("pipeline")
-
-
-def run_pipeline(cfg: DictConfig, force: bool = False, report: bool = True) -> PhaseTimer:
-    """Run every stage for a *resolved* config; return the wall time of each phase.
-
-    A stage whose artifact is current is reused (unless ``force``: every stage runs).
-    Once a stage has run, the later stages run too, because their artifacts are now
-    older than their input (:func:`pipeline.stages.runner.run_stage` compares modification times,
-    as Snakemake does) -- unless another process running the same config has already
-    remade them from the new input meanwhile: then they are current and reused, so two
-    processes of one config run each stage once. The report always runs, unless
-    ``report`` is false (a job of a sweep: the sweep writes one report at its end).
-    """
-    dirs = stage_dirs(cfg)
-    timer = PhaseTimer()
-    done = []
-    with timer.phase("wall"):
-        for stage in STAGES if report else [s for s in STAGES if s != "report"]:
-            with timer.phase(PHASES[stage]):
-                ran = run_stage(stage, cfg, dirs, force=force and stage != "report")
-            done.append(f"{stage} {timer.seconds[PHASES[stage]]:.2f} s"
-                        + ("" if ran else " (reused)"))
-    log.info("stages: %s; wall %.2f s", ", ".join(done), timer.seconds["wall"])
-    print(f"run record: {sentinel(dirs, 'solve')}")
-    if report:
-        print(f"report: {dirs.report}")
-    return timer
+from pipeline.stages.runner import (
+    USER_ERRORS,
+    configure_logging,
+    preflight_trace,
+    report_once,
+    run_pipeline,
+)
 
 
 def _is_multirun() -> bool:
@@ -71,22 +45,6 @@ def _is_multirun() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def report_once(jobs: Sequence[DictConfig]) -> None:
-    """The report stage of a sweep, once per results directory after its jobs (resolved
-    configs): the report reads every run under the directory, so one report at the end
-    is the one a report per job would leave, without rereading (and redrawing) the
-    earlier runs for every job."""
-    first: dict[str, DictConfig] = {}
-    for c in jobs:
-        first.setdefault(str(c.results_dir), c)
-    for cfg in first.values():
-        timer = PhaseTimer()
-        with timer.phase("report"):
-            run_stage("report", cfg, stage_dirs(cfg))
-        log.info("report of the sweep: %.2f s", timer.seconds["report"])
-        print(f"report: {stage_dirs(cfg).report}")
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -97,8 +55,6 @@ def _hydra_task(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(err, file=sys.stderr)
         sys.exit(2)
-    from pipeline.stages.runner import USER_ERRORS
-
     try:
         run_pipeline(resolved, report=not _is_multirun())
     except USER_ERRORS as err:
@@ -127,8 +83,6 @@ def _prevalidate(argv: Sequence[str]) -> tuple[list[str], list[DictConfig]]:
                      or args.config_path or args.experimental_rerun)
     jobs: list[DictConfig] = []
     if not informational:
-        from pipeline.stages.runner import preflight_trace
-
         for job in (sweep_overrides(overrides) if args.multirun else [overrides]):
             cfg = load_resolved(job)
             preflight_trace(cfg)

@@ -318,6 +318,47 @@ def test_bad_input_through_the_real_interpreters(tmp_path):
     assert _files_under(tmp_path) == []
 
 
+def test_the_config_layer_imports_no_torch(tmp_path):
+    """``import pipeline.config`` (every Snakemake parse, every one-line error) and
+    composing and resolving a config leave torch unimported: it costs seconds."""
+    code = ("import sys\nimport pipeline.config\nassert 'torch' not in sys.modules\n"
+            "pipeline.config.load_resolved(['model=toy', 'mesh=2x4', 'recipe=fsdp_tp',\n"
+            "    'constraints.outputs=(S(0)R|-)', 'constraints.device_memory=80GiB'])\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, env=_python_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+_BAD_VALUES_WITHOUT_TORCH = """
+import sys
+import pipeline.__main__ as entry
+import pipeline.cli
+from pipeline.stages import runner
+for args in (["mesh=2,0,8"], ["solver=foo"]):
+    try:
+        entry.main(args)
+    except SystemExit as exit_:
+        print(exit_.code)
+print(runner.main(["trace", "mesh=2,0,8"]))
+print(runner.main(["solve", "solver=foo"]))
+print("torch" in sys.modules)
+"""
+
+
+def test_a_bad_value_exits_2_in_one_line_without_importing_torch(tmp_path):
+    """The entry points validate before anything imports torch (or the stage code)."""
+    proc = subprocess.run([sys.executable, "-c", _BAD_VALUES_WITHOUT_TORCH], cwd=tmp_path,
+                          capture_output=True, text=True, env=_python_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["2", "2", "2", "2", "False"]
+    mesh = "mesh=2,0,8: allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"
+    solver = "solver=foo: allowed approx, ilp, lp"
+    assert proc.stderr.splitlines() == [mesh, solver, mesh, solver]
+    assert _files_under(tmp_path) == []
+
+
 # --------------------------------------------------------------------------- overrides
 
 
@@ -612,7 +653,7 @@ def fake_stages(monkeypatch):
 
 
 def test_run_pipeline_reuses_current_artifacts(tmp_path, fake_stages, monkeypatch):
-    from pipeline.__main__ import run_pipeline
+    from pipeline.stages.runner import run_pipeline
 
     monkeypatch.chdir(tmp_path)
     cfg = load_resolved(["model=toy"])

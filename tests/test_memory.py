@@ -25,16 +25,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.memory import (
-    KINDS,
-    MemoryOptions,
-    format_bytes,
-    linear_terms,
-    memory_options,
-    parse_bytes,
-    step_graph,
-    walk,
-)
+from pipeline.memory.graph import step_graph
+from pipeline.memory.liveness import walk
+from pipeline.memory.options import MemoryOptions, format_bytes, memory_options, parse_bytes
+from pipeline.memory.terms import KINDS, linear_terms
 from pipeline.stages.topology import TopologyTables, read_topology
 
 # The toy model of conf/model/toy.yaml with a short step (2 x 64 tokens) so it runs on
@@ -112,7 +106,8 @@ def _gpu_like_cpu_ops() -> Iterator[None]:
 
 def _measured_saved_bytes(checkpoint: bool) -> int:
     """Bytes of the distinct storages autograd saves in one forward of the toy step."""
-    from pipeline.models.llama import ModelConfig, Transformer, rope_tables
+    from pipeline.models.llama import ModelConfig
+    from pipeline.models.llama_decoder import Transformer, rope_tables
 
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**TOY))
@@ -413,8 +408,8 @@ def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) 
 
     from pipeline.costmodel.factors import group_structure
     from pipeline.costmodel.hardware import load_hardware
-    from pipeline.memory import memory_model
     from pipeline.memory.constraint import fit_plan
+    from pipeline.memory.model import memory_model
     from pipeline.solvers.ilp import solve_ilp
     from pipeline.solvers.lagrangian import solve_with_rows
     from pipeline.solvers.trws import solve_trws
@@ -503,7 +498,7 @@ def test_peak_row_prices_what_is_live_at_the_peak(toy8: TopologyTables) -> None:
     """The cut of the liveness check, evaluated at the plan it was made from, is that
     plan's peak (every live allocation, priced by its node's strategy)."""
     from pipeline.costmodel.factors import group_structure
-    from pipeline.memory import memory_model
+    from pipeline.memory.model import memory_model
 
     gs = group_structure(toy8)
     rng = np.random.default_rng(2)

@@ -81,7 +81,7 @@ pytest.importorskip("transformers")
 
 _JOB_SCRIPT = textwrap.dedent("""
     import json, sys
-    from pipeline.__main__ import run_pipeline
+    from pipeline.stages.runner import run_pipeline
     from pipeline.stages.runner import run_stage
     from pipeline.config import load_resolved, stage_dirs
     base, results_dir, extra = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])

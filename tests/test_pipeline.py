@@ -156,7 +156,7 @@ def toy_overrides(mesh: str, mode: str) -> tuple[str, ...]:
 _NO_PULP_SCRIPT = textwrap.dedent("""
     import json, sys
     from pipeline.config import load_resolved
-    from pipeline.__main__ import run_pipeline
+    from pipeline.stages.runner import run_pipeline
     results_dir = sys.argv[1]
     seen = {}
     for lazy in ("true", "false"):

@@ -255,7 +255,7 @@ def test_distribute_state_dict_gives_the_planned_local_shapes(run) -> None:
     plan = load(path)
     mesh = device_mesh((2, 2), ("dp", "tp"))
     with torch.device("meta"):
-        from pipeline.models.llama import build_model
+        from pipeline.models.llama_decoder import build_model
 
         sd = build_model(dict(cfg.model)).state_dict()
     out = distribute_state_dict(sd, mesh, plan)

@@ -161,12 +161,10 @@ def test_profile_has_the_placement_hash_of_python_m_pipeline(tmp_path, monkeypat
 
 
 def test_a_failed_search_writes_an_error_document(tmp_path, monkeypatch, capsys):
-    import pipeline.__main__ as entry
-
     def boom(cfg, force=False):
         raise RuntimeError("solver exploded")
 
-    monkeypatch.setattr(entry, "run_pipeline", boom)
+    monkeypatch.setattr(profile, "run_pipeline", boom)
     out = tmp_path / "err.json"
     code = profile.main(["--model", "toy", "--solver", "approx", "--output", str(out),
                          "--results-dir", str(tmp_path / "r")])

@@ -176,7 +176,7 @@ _PIPELINE_SCRIPT = textwrap.dedent("""
     import sys
     from pipeline.core import progress
     progress.DELAY = 0.0  # the toy's phases end before the default delay
-    from pipeline.__main__ import run_pipeline
+    from pipeline.stages.runner import run_pipeline
     from pipeline.config import load_resolved
     for lazy in ("false", "true"):
         run_pipeline(load_resolved(["model=toy", "mesh=2x4", f"lazy_costs={lazy}",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.stages.topology.pins import RECIPES, recipe_dim_roles
+from pipeline.core.recipes import RECIPES, recipe_dim_roles
 
 MESH = ("mesh=2x4", "mesh_names=[dp,tp]")
 FREE = (*MESH, "constraints.param_memory=null")  # recipes with the default inputs S(0)R

@@ -164,7 +164,7 @@ def fake_stages(monkeypatch):
 
 
 def _first_run(tmp_path, monkeypatch, fake_stages, *overrides):
-    from pipeline.__main__ import run_pipeline
+    from pipeline.stages.runner import run_pipeline
 
     monkeypatch.chdir(tmp_path)
     cfg = load_resolved(["model=toy", *overrides])

@@ -179,7 +179,8 @@ class Config:
             (the optimizer only enters the memory model, pipeline/memory/).
         constraints: see :class:`ConstraintsConfig`.
         memory, fsdp: activation checkpointing and FSDP resharding
-            (:class:`pipeline.memory.MemoryConfig`, :class:`pipeline.memory.FsdpConfig`).
+            (:class:`pipeline.memory.options.MemoryConfig`,
+            :class:`pipeline.memory.options.FsdpConfig`).
         costs: cost-model options, see :class:`CostsConfig`.
         mesh: device mesh shape: ``"2,4,8"``, ``"2x4x8"``, ``8`` or a list; resolved
             to a list of ints.

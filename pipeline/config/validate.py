@@ -25,8 +25,10 @@ from pipeline.config.schema import (
     ConfigError,
     allowed_text,
 )
+from pipeline.core.placement_text import split_output, tokenize
+from pipeline.core.recipes import RECIPES, recipe_dim_roles
 from pipeline.costmodel.hardware import validate_hardware
-from pipeline.memory.options import validate_memory_config
+from pipeline.memory.options import parse_bytes, validate_memory_config
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -139,8 +141,6 @@ def _check_solver(s: Any) -> None:
     need(_is_num(s.mip_gap) and 0 <= s.mip_gap < 1, "mip_gap", "allowed a number in [0, 1)")
     need(_is_int(s.threads) and s.threads >= 1, "threads", "allowed an integer >= 1")
     if s.max_memory is not None:
-        from pipeline.memory.options import parse_bytes
-
         try:
             parse_bytes(s.max_memory, "solver.max_memory")
         except ValueError as err:
@@ -148,12 +148,11 @@ def _check_solver(s: Any) -> None:
 
 
 def _check_placement(key: str, text: Any, rank: int, tuple_ok: bool) -> None:
-    """Parse a placement in compact notation; refuse Partial (never legal for pins)."""
-    from pipeline.dtensor.placements import parse_output, parse_placements
-
+    """Parse a placement in compact notation (:mod:`pipeline.core.placement_text`); refuse
+    Partial (never legal for pins)."""
     shown = f"{key}={_shown(text)}"
     try:
-        groups = parse_output(text, rank) if tuple_ok else [parse_placements(text, rank)]
+        groups = split_output(text, rank) if tuple_ok else [tokenize(text, rank)]
     except ValueError as err:
         raise ConfigError(f"{shown}: {err}") from None
     for group in groups:
@@ -190,8 +189,6 @@ def _check_recipe(recipe: Any, names: list[str], c: Any) -> None:
     combined with ``constraints.inputs`` (the recipe places the inputs)."""
     if recipe is None:
         return
-    from pipeline.stages.topology.pins import RECIPES, recipe_dim_roles
-
     if not isinstance(recipe, str) or recipe not in RECIPES:
         raise ConfigError(f"recipe={_shown(recipe)}: allowed {', '.join(RECIPES)}, null")
     try:
@@ -248,10 +245,8 @@ def check_input_sharding(out: Any, mesh: list[int], names: list[str]) -> None:
         ConfigError: ``model.batch_size=2: the inputs are sharded S(0) on mesh dim dp
             (8 devices) ...``.
     """
-    from pipeline.dtensor.placements import parse_placements
-
     text = out.constraints.inputs
-    placements = parse_placements(text or "S(0)" + "R" * (len(mesh) - 1), len(mesh))
+    placements = tokenize(text or "S(0)" + "R" * (len(mesh) - 1), len(mesh))
     shards: dict[int, list[int]] = {}
     for mdim, p in enumerate(placements):
         if p.is_shard():

@@ -12,5 +12,7 @@ module             job
 ``parallel``       forked workers for independent parts of a stage
 ``progress``       progress bars and log lines of long phases
 ``schema_types``   type checks of structured-config dataclasses
+``placement_text`` the compact placement notation's grammar (``S(0)R``, ``(A|-)``)
+``recipes``        the mesh dim roles of the hand-written plans (config ``recipe``)
 =================  ==================================================================
 """

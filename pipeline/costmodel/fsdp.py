@@ -33,7 +33,7 @@ things for the tensors it manages, the parameters and their gradients:
 2. **Re-gather** (``reshard_after_forward=True``, FSDP2's default): the unsharded
    parameter is freed after the unit's forward and all-gathered again before its
    backward, so the redistribution on every edge of the forward weight copy the
-   backward reads (:meth:`pipeline.memory.StepGraph.regather_edges`) is paid twice. A
+   backward reads (:meth:`pipeline.memory.graph.StepGraph.regather_edges`) is paid twice. A
    weight edge recomputed by activation checkpointing is still paid twice, not three
    times (the recomputation reads the re-gathered copy).
 
@@ -181,7 +181,7 @@ def edge_policy(topology: Any, graph: Any, options: CollectiveOptions,
                 in_metas: list) -> EdgePolicy:
     """The :class:`EdgePolicy` of a topology under ``options`` (module docstring).
 
-    ``graph``: its :class:`~pipeline.memory.StepGraph`; ``in_metas``: per node, the
+    ``graph``: its :class:`~pipeline.memory.graph.StepGraph`; ``in_metas``: per node, the
     decoded ``in_metas`` of nodes.parquet (the cost model's)."""
     n = topology.nodes
     num_edges = len(graph.edges)

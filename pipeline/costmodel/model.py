@@ -83,7 +83,7 @@ class CostModel:
         memoise: memoise edge tables by signature (lazy mode); eager mode
             computes one table per graph edge.
         recompute: activation checkpointing's recomputation
-            (:meth:`pipeline.memory.StepGraph.recomputed_nodes` / ``recomputed_edges``):
+            (:meth:`pipeline.memory.graph.StepGraph.recomputed_nodes` / ``recomputed_edges``):
             bool ``[num_nodes]`` and ``[num_edges]``; a recomputed node's compute and a
             recomputed edge's redistribution are paid twice (forward, then again before
             the layer's backward). None: nothing is recomputed.

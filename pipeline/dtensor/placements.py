@@ -1,27 +1,10 @@
-"""Compact text notation for DTensor placements.
+"""Compact text notation for DTensor placements: text <-> placement objects.
 
-One token per mesh dim, concatenated without separators (whitespace is ignored):
-
-======================  =====================================================
-token                   placement
-======================  =====================================================
-``R``                   ``Replicate()``
-``S(d)``                ``Shard(d)`` (``d`` may be negative, e.g. ``S(-1)``)
-``SS(d,k)``             ``_StridedShard(d, split_factor=k)``
-``P``                   ``Partial("sum")`` (``P(sum)`` is accepted too)
-``P(op)``               ``Partial(op)``, op in sum, avg, min, max, product,
-                        band, bor, bxor
-``MP(d)``               ``_MaskPartial(offset_dim=d)`` (no offset shape)
-``MP(d,AxB..)``         ``_MaskPartial(offset_shape=(A, B, ..), offset_dim=d)``
-                        (row-wise embedding / gather strategies)
-``MP(op,d,AxB..)``      the same with a non-sum reduce op
-``NP(p)``               ``_NormPartial(norm_type=p)`` (partial p-norm)
-======================  =====================================================
-
-Examples: ``S(0)RS(1)`` on a 3-d mesh, ``PR``, ``SS(0,4)S(0)``.
-
-A tuple output (an op returning several tensors) is written ``(A|B|...)``, one
-entry per element, ``-`` for a non-tensor element: ``(S(0)R|-|RR)``.
+The notation (one token per mesh dim, ``S(0)RS(1)``; tuple outputs ``(A|B|-)``) and its
+grammar are :mod:`pipeline.core.placement_text`, torch-free; this module turns its tokens
+into DTensor placements (``R`` ``Replicate()``, ``S(d)`` ``Shard(d)``, ``SS(d,k)``
+``_StridedShard(d, split_factor=k)``, ``P(op)`` ``Partial(op)``, ``MP(..)``
+``_MaskPartial``, ``NP(p)`` ``_NormPartial``) and formats placements back.
 
 Every placement DTensor (torch 2.13) can produce round-trips:
 ``parse_placements(format_placements(p)) == p``. The one caveat is
@@ -36,7 +19,6 @@ Parsing is cached with :func:`functools.lru_cache`, so hot loops may call
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Sequence
 
 import torch
@@ -48,6 +30,9 @@ from torch.distributed.tensor.placement_types import (
     _MaskPartial,
     _StridedShard,
 )
+
+from pipeline.core.placement_text import ALLOWED as _ALLOWED
+from pipeline.core.placement_text import NON_TENSOR, REDUCE_OPS, Token, split_output, tokenize
 
 try:  # _NormPartial lives with the math-op strategies (partial p-norms).
     from torch.distributed.tensor._ops._math_ops import _NormPartial
@@ -65,35 +50,10 @@ __all__ = [
     "parse_placements",
 ]
 
-#: Reduce ops accepted in ``P(op)`` (those of ``torch.distributed.ReduceOp`` that
-#: DTensor's ``Partial`` documents).
-REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "product", "band", "bor", "bxor")
-
 _C_SHARD = torch._C._distributed.Shard
 _C_STRIDED = torch._C._distributed.StridedShard
 _C_REPLICATE = torch._C._distributed.Replicate
 _C_PARTIAL = torch._C._distributed.Partial
-
-#: Marker for a non-tensor element of a tuple output.
-NON_TENSOR = "-"
-
-_ALLOWED = (
-    "allowed tokens, one per mesh dim: R, S(d), SS(d,k), P, P(op) with op in "
-    + "|".join(REDUCE_OPS)
-    + ", MP(d), MP(d,AxB..), MP(op,d,AxB..), NP(p)"
-)
-
-_INT = r"-?\d+"
-_NUM = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|inf)"
-_TOKEN_RE = re.compile(
-    r"(?P<R>R)"
-    rf"|SS\((?P<ss_dim>{_INT}),(?P<ss_k>\d+)\)"
-    rf"|S\((?P<s_dim>{_INT})\)"
-    rf"|MP\((?:(?P<mp_op>[a-z_]+),)?(?P<mp_dim>{_INT})(?:,(?P<mp_shape>\d+(?:x\d+)*))?\)"
-    rf"|NP\((?P<np_p>{_NUM})\)"
-    r"|P(?:\((?P<p_op>[a-z_]+)\))?"
-)
-_WS_RE = re.compile(r"\s+")
 
 
 # --------------------------------------------------------------------------- format
@@ -179,34 +139,23 @@ def format_strategy_output(
 # --------------------------------------------------------------------------- parse
 
 
-def _token_to_placement(m: re.Match) -> Placement:
-    g = m.groupdict()
-    if g["R"] is not None:
+def _placement(tok: Token, text: str) -> Placement:
+    """The DTensor placement of one token of ``text`` (:mod:`pipeline.core.placement_text`)."""
+    if tok.kind == "R":
         return Replicate()
-    if g["ss_dim"] is not None:
-        k = int(g["ss_k"])
-        if k < 1:
-            raise ValueError(f"split factor must be >= 1, got {k}")
-        return _StridedShard(int(g["ss_dim"]), split_factor=k)
-    if g["s_dim"] is not None:
-        return Shard(int(g["s_dim"]))
-    if g["mp_dim"] is not None:
-        op = g["mp_op"] or "sum"
-        if op not in REDUCE_OPS:
-            raise ValueError(f"unknown reduce op {op!r}")
-        shape_txt = g["mp_shape"]
-        shape = torch.Size(int(s) for s in shape_txt.split("x")) if shape_txt else None
-        return _MaskPartial(reduce_op=op, offset_shape=shape, offset_dim=int(g["mp_dim"]))
-    if g["np_p"] is not None:
+    if tok.kind == "SS":
+        return _StridedShard(tok.dim, split_factor=tok.split)
+    if tok.kind == "S":
+        return Shard(tok.dim)
+    if tok.kind == "MP":
+        shape = None if tok.offset_shape is None else torch.Size(tok.offset_shape)
+        return _MaskPartial(reduce_op=tok.op, offset_shape=shape, offset_dim=tok.dim)
+    if tok.kind == "NP":
         if _NormPartial is None:  # pragma: no cover
-            raise ValueError("_NormPartial is not available in this torch")
-        txt = g["np_p"]
-        value: float | int = int(txt) if re.fullmatch(_INT, txt) else float(txt)
-        return _NormPartial(norm_type=value)
-    op = g["p_op"] or "sum"
-    if op not in REDUCE_OPS:
-        raise ValueError(f"unknown reduce op {op!r}")
-    return Partial(op)
+            raise ValueError(f"invalid placement {text!r}: _NormPartial is not available in "
+                             f"this torch; {_ALLOWED}")
+        return _NormPartial(norm_type=tok.norm)
+    return Partial(tok.op)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -225,52 +174,16 @@ def parse_placements(text: str, ndim: int | None = None) -> tuple[Placement, ...
 
     Raises:
         ValueError: one-line message naming the text and what is allowed, if the
-            text is empty, holds an unknown token, or has a token count != ``ndim``.
+            text is empty, holds an unknown token, or has a token count != ``ndim``
+            (:func:`pipeline.core.placement_text.tokenize`).
     """
-    if not isinstance(text, str):
-        raise ValueError(f"placement text must be a str, got {text!r}")  # noqa: TRY004
-    s = _WS_RE.sub("", text)
-    if not s:
-        raise ValueError(f"invalid placement {text!r}: empty; {_ALLOWED}")
-    out: list[Placement] = []
-    pos = 0
-    while pos < len(s):
-        m = _TOKEN_RE.match(s, pos)
-        if m is None or m.end() == pos:
-            raise ValueError(f"invalid placement {text!r}: cannot parse at {s[pos:]!r}; {_ALLOWED}")
-        try:
-            out.append(_token_to_placement(m))
-        except ValueError as e:
-            raise ValueError(f"invalid placement {text!r}: {e}; {_ALLOWED}") from None
-        pos = m.end()
-    if ndim is not None and len(out) != ndim:
-        raise ValueError(
-            f"invalid placement {text!r}: {len(out)} token(s) for a {ndim}-d mesh; "
-            f"need exactly {ndim}, {_ALLOWED}"
-        )
-    return tuple(out)
+    return tuple(_placement(tok, text) for tok in tokenize(text, ndim))
 
 
 @functools.lru_cache(maxsize=1 << 14)
 def _parse_output_cached(text: str, ndim: int | None) -> tuple[tuple[Placement, ...] | None, ...]:
-    s = _WS_RE.sub("", text)
-    if not (s.startswith("(") and s.endswith(")")):
-        return (parse_placements(s, ndim),)
-    inner = s[1:-1]
-    if inner == "":
-        return ()
-    out: list[tuple[Placement, ...] | None] = []
-    for part in inner.split("|"):
-        if part == NON_TENSOR:
-            out.append(None)
-            continue
-        try:
-            out.append(parse_placements(part, ndim))
-        except ValueError as e:
-            raise ValueError(
-                f"invalid output placement {text!r}: element {len(out)}: {e}"
-            ) from None
-    return tuple(out)
+    return tuple(None if toks is None else tuple(_placement(tok, text) for tok in toks)
+                 for toks in split_output(text, ndim))
 
 
 def parse_output(text: str, ndim: int | None = None) -> list[tuple[Placement, ...] | None]:
@@ -280,11 +193,12 @@ def parse_output(text: str, ndim: int | None = None) -> list[tuple[Placement, ..
     one-element output. ``()`` is the empty list.
 
     Args:
-        text: the notation, see module docstring.
+        text: the notation, see :mod:`pipeline.core.placement_text`.
         ndim: if given, every tensor element must have exactly this many tokens.
 
     Raises:
-        ValueError: one-line message naming the text and what is allowed.
+        ValueError: one-line message naming the text and what is allowed
+            (:func:`pipeline.core.placement_text.split_output`).
     """
     if not isinstance(text, str):
         raise ValueError(f"output placement text must be a str, got {text!r}")  # noqa: TRY004

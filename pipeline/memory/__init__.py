@@ -39,45 +39,23 @@ estimation and activation-checkpointing options (``full``, ``selective`` op / la
 Rajbhandari et al. 2020 (ZeRO: 2 + 2 + 12 bytes per parameter for mixed-precision Adam,
 here 4 + 4 + 8 with float32 master parameters and gradients), Korthikanti et al. 2022
 (activation memory per layer and selective recomputation of the attention core).
+
+This package imports none of its modules (the config schema reads :mod:`.options`
+without paying for torch); import what you use from its module:
+
+=================  ==================================================================
+module             job
+=================  ==================================================================
+``options``        what the model is told about the step (optimizer, checkpointing,
+                   FSDP), their config schemas and checks, byte-size parsing
+``graph``          static facts of the traced graph: storages, saved values, layers
+                   (:class:`~.graph.StepGraph`, :func:`~.graph.step_graph`)
+``terms``          the linear part: bytes per device of each node under each strategy
+                   (:class:`~.terms.LinearTerms`, :func:`~.terms.linear_terms`)
+``liveness``       the liveness walk of one plan and its peak (:func:`~.liveness.walk`)
+``model``          the bundle the costs and solve stages use (:func:`~.model.memory_model`)
+``constraint``     ``constraints.device_memory``: the MRF's memory rows, the plan check
+``budget``         the parameter-memory budget row
+``record``         the memory facts of a solved plan for the run record
+=================  ==================================================================
 """
-
-from pipeline.memory.graph import ATTENTION_OPS, MATMUL_OPS, StepGraph, step_graph
-from pipeline.memory.liveness import WALK_KINDS, Liveness, walk
-from pipeline.memory.model import MemoryModel, memory_model
-from pipeline.memory.options import (
-    CHECKPOINTING,
-    OPTIMIZERS,
-    MemoryOptions,
-    device_memory_of_config,
-    format_bytes,
-    memory_options,
-    optimizer_state_per_element,
-    options_of_config,
-    parse_bytes,
-)
-from pipeline.memory.terms import KINDS, LinearTerms, SlotBytes, linear_terms
-
-__all__ = [
-    "ATTENTION_OPS",
-    "CHECKPOINTING",
-    "KINDS",
-    "MATMUL_OPS",
-    "OPTIMIZERS",
-    "WALK_KINDS",
-    "LinearTerms",
-    "Liveness",
-    "MemoryModel",
-    "MemoryOptions",
-    "SlotBytes",
-    "StepGraph",
-    "device_memory_of_config",
-    "format_bytes",
-    "linear_terms",
-    "memory_model",
-    "memory_options",
-    "optimizer_state_per_element",
-    "options_of_config",
-    "parse_bytes",
-    "step_graph",
-    "walk",
-]

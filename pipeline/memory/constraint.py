@@ -13,7 +13,7 @@ the solve stage checks the plan after solving and, while its peak exceeds ``M``,
 cut for the moment of the peak and solves again (deterministic, at most
 ``max_rounds`` solves): with ``t`` the node at which plan ``x_r`` peaks and ``A_t`` the
 allocations live there (each a function of one node's strategy,
-:attr:`~pipeline.memory.Liveness.peak_sources`),
+:attr:`~pipeline.memory.liveness.Liveness.peak_sources`),
 
     sum_{a in A_t} bytes_a(x_{node(a)}) <= M
 
@@ -104,7 +104,7 @@ def fit_plan(solve: Callable[[list[LinearConstraint]], Any],
     """Solve with the memory row, check the liveness peak, cut until the plan fits.
 
     ``solve(rows)`` solves the MRF with the given memory rows and returns a result with
-    ``labels``; ``peak_of(labels)`` returns its :class:`~pipeline.memory.Liveness`,
+    ``labels``; ``peak_of(labels)`` returns its :class:`~pipeline.memory.liveness.Liveness`,
     ``peak_coef(liveness)`` the row of the memory live at its peak (module docstring).
     Raises PlanError when a cut cannot be met by any allowed plan or no plan fits after
     ``max_rounds`` solves.

@@ -75,7 +75,7 @@ class Liveness:
             ``("in", v, arg)`` (argument ``arg`` of node v as v expects it: a
             redistributed input) or ``("opt", v, 0)`` (the optimizer state of parameter
             v). Each is a function of one node's strategy
-            (:meth:`pipeline.memory.SlotBytes.of_source`), so the memory live at the
+            (:meth:`pipeline.memory.terms.SlotBytes.of_source`), so the memory live at the
             peak's node is a linear row over the labels (pipeline/memory/constraint.py).
     """
 

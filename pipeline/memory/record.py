@@ -7,10 +7,10 @@ field                      meaning
 =========================  ===========================================================
 peak_bytes                 liveness peak per device (:mod:`pipeline.memory.liveness`)
 peak_node, peak_phase      where it occurs (node name, ``fwd`` / ``bwd``)
-peak.<kind>                the peak's breakdown (:data:`~pipeline.memory.WALK_KINDS`)
+peak.<kind>                the peak's breakdown (:data:`~pipeline.memory.liveness.WALK_KINDS`)
 boundary_bytes             live bytes after the forward (what it leaves the backward)
 linear_bytes               the linear model (the device-memory row's value)
-linear.<kind>              its terms by kind (:data:`~pipeline.memory.KINDS`)
+linear.<kind>              its terms by kind (:data:`~pipeline.memory.terms.KINDS`)
 peak_minus_linear_bytes    ``peak_bytes - linear_bytes``: the transients the row cannot
                            see, less the gradients not yet produced at the peak
 peak_over_linear           ``peak_bytes / linear_bytes``

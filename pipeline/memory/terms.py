@@ -140,7 +140,7 @@ class SlotBytes:
 
     def of_source(self, source: tuple[str, int, int], state_bytes: int = 0) -> np.ndarray:
         """Bytes over the strategies of its node of an allocation source of the liveness
-        walk (:attr:`pipeline.memory.Liveness.peak_sources`); ``state_bytes``: optimizer
+        walk (:attr:`pipeline.memory.liveness.Liveness.peak_sources`); ``state_bytes``: optimizer
         state bytes per parameter element."""
         kind, node, index = source
         if kind == "out":

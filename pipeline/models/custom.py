@@ -250,7 +250,7 @@ def _loss_fn(cfg: Mapping[str, Any]) -> Any:
 
 def step(forward: Any, *inputs: Any, loss: Any) -> Any:
     """The training step: forward on the inputs, the loss of its first tensor."""
-    from pipeline.models.llama import cross_entropy
+    from pipeline.models.llama_decoder import cross_entropy
 
     if loss == "cross_entropy":
         *feed, labels = inputs

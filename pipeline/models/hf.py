@@ -8,7 +8,7 @@ access. Presets are saved configs of this family (``conf/model/hf/*.yaml``).
 
 The training step (:func:`step`) runs the model's forward on the token batch and takes
 the same loss as the built-in LLaMA (mean cross-entropy as ``log_softmax`` +
-``nll_loss_forward``, :func:`pipeline.models.llama.cross_entropy`) of the logits against
+``nll_loss_forward``, :func:`pipeline.models.llama_decoder.cross_entropy`) of the logits against
 ``labels``: the model's own ``labels=`` loss goes through ``F.cross_entropy``, whose
 backward the export tracer of torch 2.13 drops. Mixed precision is the built-in model's:
 parameters stored in float32 and cast to ``param_dtype`` inside the step
@@ -305,7 +305,7 @@ def register_attention() -> None:
 
 def step(forward: Any, *inputs: Any, task: str) -> Any:
     """The training step: forward on the token batch, cross-entropy of the logits."""
-    from pipeline.models.llama import cross_entropy
+    from pipeline.models.llama_decoder import cross_entropy
 
     if task == "seq2seq":
         input_ids, decoder_input_ids, labels = inputs

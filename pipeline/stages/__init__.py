@@ -11,6 +11,7 @@ package / module   job
 ``costs``          the MRF's unary and pairwise factors (eager) or the cost model (lazy)
 ``solve``          a solver on the MRF -> ``solution.parquet``, ``run.json``, ``plan.json``
 ``report``         every run record -> ``runs.parquet``, pictures, HTML
-``runner``         runs a stage when its artifacts are missing or stale (locks, stamps)
+``runner``         runs a stage when its artifacts are missing or stale (locks, stamps),
+                   every stage in order (``run_pipeline``), ``python -m pipeline.cli``
 =================  ==================================================================
 """

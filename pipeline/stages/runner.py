@@ -8,9 +8,12 @@ depends on (:func:`pipeline.config.stage_overrides`).
 Exit codes: 0 done (or reused), 2 bad configuration or usage (one line on stderr,
 nothing written), 1 a stage failed (traceback).
 
-This module also holds what both entry points share: :func:`run_stage`, which runs a
-stage under a lock on ``<stage dir>/.lock`` and reuses an existing artifact, judged by
-the stage's sentinel (:data:`pipeline.core.artifacts.SENTINELS`, re-exported here).
+This module also holds what every entry point shares (``python -m pipeline``,
+:mod:`pipeline.api`, the tools): :func:`run_stage`, which runs a stage under a lock on
+``<stage dir>/.lock`` and reuses an existing artifact, judged by the stage's sentinel
+(:data:`pipeline.core.artifacts.SENTINELS`, re-exported here), and the composition of
+the stages, :func:`run_pipeline` (every stage in order) and :func:`report_once` (the
+report of a sweep).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from pipeline.config import (
 from pipeline.config.readers import workers_config
 from pipeline.core import artifacts
 from pipeline.core.artifacts import CODE_STAMP, LOCK_FILE, SENTINELS, stage_outputs
+from pipeline.core.runtime import PhaseTimer
 
 log = logging.getLogger(__name__)
 
@@ -282,6 +286,49 @@ def run_stage(stage: str, cfg: DictConfig, dirs: StageDirs, force: bool = False)
                                                 if a.path(directory).exists()])
         remove_stale_temps(directory)
     return True
+
+
+def run_pipeline(cfg: DictConfig, force: bool = False, report: bool = True) -> PhaseTimer:
+    """Run every stage for a *resolved* config; return the wall time of each phase.
+
+    A stage whose artifact is current is reused (unless ``force``: every stage runs).
+    Once a stage has run, the later stages run too, because their artifacts are now
+    older than their input (:func:`run_stage` compares modification times, as Snakemake
+    does) -- unless another process running the same config has already remade them
+    from the new input meanwhile: then they are current and reused, so two processes of
+    one config run each stage once. The report always runs, unless ``report`` is false
+    (a job of a sweep: the sweep writes one report at its end, :func:`report_once`).
+    """
+    dirs = stage_dirs(cfg)
+    timer = PhaseTimer()
+    done = []
+    with timer.phase("wall"):
+        for stage in STAGES if report else [s for s in STAGES if s != "report"]:
+            with timer.phase(PHASES[stage]):
+                ran = run_stage(stage, cfg, dirs, force=force and stage != "report")
+            done.append(f"{stage} {timer.seconds[PHASES[stage]]:.2f} s"
+                        + ("" if ran else " (reused)"))
+    log.info("stages: %s; wall %.2f s", ", ".join(done), timer.seconds["wall"])
+    print(f"run record: {sentinel(dirs, 'solve')}")
+    if report:
+        print(f"report: {dirs.report}")
+    return timer
+
+
+def report_once(jobs: Sequence[DictConfig]) -> None:
+    """The report stage of a sweep, once per results directory after its jobs (resolved
+    configs): the report reads every run under the directory, so one report at the end
+    is the one a report per job would leave, without rereading (and redrawing) the
+    earlier runs for every job."""
+    first: dict[str, DictConfig] = {}
+    for c in jobs:
+        first.setdefault(str(c.results_dir), c)
+    for cfg in first.values():
+        timer = PhaseTimer()
+        with timer.phase("report"):
+            run_stage("report", cfg, stage_dirs(cfg))
+        log.info("report of the sweep: %.2f s", timer.seconds["report"])
+        print(f"report: {stage_dirs(cfg).report}")
 
 
 def _remove_if_empty(directory: Path) -> None:

@@ -12,7 +12,7 @@ The flags become Hydra overrides (:func:`flags_to_overrides`: ``--model`` -> ``m
 ``--revision-label`` -> ``revision_label=``, ``--results-dir`` -> ``results_dir=``; any
 further ``KEY=VALUE`` arguments are passed through), the config is composed and
 validated (:func:`pipeline.config.load_resolved`) and the pipeline runs in this process
-(:func:`pipeline.__main__.run_pipeline`), into the same result directories as
+(:func:`pipeline.stages.runner.run_pipeline`), into the same result directories as
 ``snakemake`` and ``python -m pipeline``: the same config gives the same run and the
 same placement hash. Stages whose artifacts are current are reused (``reused_stages``
 in the output says which); ``--fresh`` reruns every stage so that the timings and the
@@ -59,6 +59,7 @@ from pipeline.config import (
     stage_dirs,
 )
 from pipeline.core import runtime
+from pipeline.stages.runner import configure_logging, run_pipeline, sentinel
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +177,6 @@ def solution_detail(solve_dir: Path) -> list[dict[str, Any]]:
 
 
 def _mtimes(dirs: Any) -> dict[str, float | None]:
-    from pipeline.stages.runner import sentinel
-
     out: dict[str, float | None] = {}
     for stage in STAGES:
         path = sentinel(dirs, stage)
@@ -188,9 +187,6 @@ def _mtimes(dirs: Any) -> dict[str, float | None]:
 def profile(args: argparse.Namespace, overrides: list[str], cfg: Any) -> dict[str, Any]:
     """Run the search for a resolved config and return the output document."""
     import json
-
-    from pipeline.__main__ import run_pipeline
-    from pipeline.stages.runner import sentinel
 
     started = time.perf_counter()
     dirs = stage_dirs(cfg)
@@ -242,8 +238,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (_UsageError, ConfigError) as err:
         print(err, file=sys.stderr)
         return 2
-    from pipeline.stages.runner import configure_logging
-
     configure_logging()
     started = time.perf_counter()
     try:

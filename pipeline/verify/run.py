@@ -101,7 +101,8 @@ def build_real_model(model_cfg: dict[str, Any], seed: int, param_dtype: str = "f
     if family_of(model_cfg) == "hf":
         model = _build_real_hf(model_cfg)
     else:
-        from pipeline.models.llama import ModelConfig, Transformer
+        from pipeline.models.llama import ModelConfig
+        from pipeline.models.llama_decoder import Transformer
 
         fields = {k: model_cfg[k] for k in ModelConfig.__dataclass_fields__ if k in model_cfg}
         fields["param_dtype"] = param_dtype
@@ -233,7 +234,7 @@ def model_hash_of_config(model_cfg: dict[str, Any]) -> str:
         from pipeline.models import build
 
         return model_hash_of_module(build(model_cfg).module)
-    from pipeline.models.llama import build_model
+    from pipeline.models.llama_decoder import build_model
 
     return model_hash_of_module(build_model(model_cfg))
 

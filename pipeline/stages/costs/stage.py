@@ -50,7 +50,8 @@ from pipeline.core.artifacts import COSTS, FACTORS
 from pipeline.costmodel.factors import FactorProvider, group_structure
 from pipeline.costmodel.fsdp import collective_options_of_config
 from pipeline.costmodel.model import TRANSITION_COST, CostModel
-from pipeline.memory import device_memory_of_config, memory_model, options_of_config
+from pipeline.memory.model import memory_model
+from pipeline.memory.options import device_memory_of_config, options_of_config
 from pipeline.memory.budget import ParamBudget, check_budget_feasible, param_budget
 from pipeline.memory.constraint import check_feasible, memory_row
 from pipeline.solvers.lagrangian import allowed_unaries
@@ -123,7 +124,7 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
 
     ``param_memory``: ``constraints.param_memory`` as plain data (``{low, high}``), or
     None for no budget row. ``memory``: the
-    :class:`~pipeline.memory.MemoryOptions` of the step (None: no memory model, no
+    :class:`~pipeline.memory.options.MemoryOptions` of the step (None: no memory model, no
     recomputation); ``device_memory``: ``(bytes, text)`` of
     ``constraints.device_memory`` or ``(None, None)`` for no device-memory row.
     ``collectives``: the :class:`~pipeline.costmodel.fsdp.CollectiveOptions` (FSDP2

@@ -16,21 +16,8 @@ placement, so every member keeps the same label indexing and ties survive.
 Recipes (config ``recipe``): the standard hand-written plans, torchtitan-style
 (``torchtitan/models/llama3/infra/parallelize.py``: ``apply_fsdp``, ``apply_tp``),
 expressed as pins so that any run can be compared with them under the same cost model.
-Each mesh dim gets a role (:func:`recipe_dim_roles`): ``replicate`` (data parallel,
-parameters replicated), ``shard`` (data parallel, parameters sharded: FSDP2 shards dim
-0), ``tp`` (Megatron tensor parallel with sequence parallelism) or ``cp`` (context
-parallel: the sequence is sharded; FSDP shards the parameters over it too, as
-torchtitan's ``dp_shard_cp`` mesh).
-
-==============  ===================================================  ====================
-recipe          mesh dim roles                                       applies to
-==============  ===================================================  ====================
-``ddp``         every dim ``replicate``                              any mesh
-``fsdp``        every dim ``shard``                                  any mesh
-``hsdp``        the first dim ``replicate``, the others ``shard``    2+ dims
-``fsdp_tp``     ``tp``: ``tp``; every other dim (dp, cp...) ``shard``  a ``tp`` dim + another
-``fsdp_tp_cp``  as ``fsdp_tp``, and ``cp``: ``cp``                   ``cp``, ``tp`` + another
-==============  ===================================================  ====================
+Each mesh dim gets a role, ``replicate``, ``shard``, ``tp`` or ``cp``
+(:func:`pipeline.core.recipes.recipe_dim_roles`, which has the table of the recipes).
 
 Pinned (every output placement below is one token per mesh dim):
 
@@ -62,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from pipeline.core.ir import is_tensor_ref
+from pipeline.core.recipes import recipe_dim_roles
 from pipeline.dtensor.placements import format_placements, parse_placements
 from pipeline.stages.topology.groups import Grouping
 from pipeline.stages.topology.ir import IRNode, graph_outputs
@@ -72,9 +60,6 @@ from pipeline.stages.topology.problem import (
     problem_id_of,
 )
 from pipeline.stages.topology.strategies import StrategyList
-
-#: The recipes of config ``recipe`` (module docstring).
-RECIPES: tuple[str, ...] = ("ddp", "fsdp", "hsdp", "fsdp_tp", "fsdp_tp_cp")
 
 #: Ops a weight passes through on its way to the op that computes with it.
 _WEIGHT_PATH_OPS = frozenset({
@@ -110,35 +95,6 @@ class PinRequest(NamedTuple):
     placement: tuple
     key: str  # the config key, for error messages
     text: str
-
-
-def recipe_dim_roles(recipe: str, mesh_names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    """The role of each mesh dim under ``recipe`` (module docstring).
-
-    Raises:
-        ValueError: one line naming the recipe and the mesh names, for an unknown recipe
-            or a mesh it does not apply to.
-    """
-    names = list(mesh_names)
-    shown = f"recipe={recipe}"
-    mesh = f"mesh_names=[{','.join(names)}]"
-    if recipe not in RECIPES:
-        raise ValueError(f"{shown}: allowed {', '.join(RECIPES)} or null")
-    if recipe == "ddp":
-        return ("replicate",) * len(names)
-    if recipe == "fsdp":
-        return ("shard",) * len(names)
-    if recipe == "hsdp":
-        if len(names) < 2:
-            raise ValueError(f"{shown}: needs a mesh of 2 or more dims (replicate on the "
-                             f"first, shard on the others); got {mesh}")
-        return ("replicate",) + ("shard",) * (len(names) - 1)
-    need = ["tp"] if recipe == "fsdp_tp" else ["cp", "tp"]
-    if any(n not in names for n in need) or len(names) <= len(need):
-        raise ValueError(f"{shown}: needs mesh dims named {' and '.join(need)} and at least "
-                         f"one data dim; got {mesh}")
-    return tuple("tp" if n == "tp" else ("cp" if n == "cp" and recipe == "fsdp_tp_cp"
-                                          else "shard") for n in names)
 
 
 def recipe_of(cfg: Any) -> dict[str, Any] | None:
