@@ -17,11 +17,13 @@ from pipeline.config.schema import STAGES
 from pipeline.config.validate import mesh_label
 from pipeline.core.codehash import source_hash
 from pipeline.core.runtime import PROJECT_ROOT
+from pipeline.models import FAMILIES
 
 #: The entry modules of each stage: its code hash covers them and every project module
 #: they import, transitively (:mod:`pipeline.core.codehash`).
 STAGE_ENTRIES: dict[str, tuple[str, ...]] = {
-    "trace": ("pipeline.stages.trace.stage",),
+    # the model families are imported by name (pipeline.models.FAMILIES)
+    "trace": ("pipeline.stages.trace.stage", *FAMILIES.values()),
     "topology": ("pipeline.stages.topology.stage",),
     "costs": ("pipeline.stages.costs.stage",),
     "solve": ("pipeline.stages.solve.stage",),

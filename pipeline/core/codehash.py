@@ -12,6 +12,8 @@ hand-kept list of files:
 3. resolve each to a module file of this checkout (``from pipeline.x import y`` is the
    module ``pipeline.x.y`` when that exists, else the package ``pipeline.x``), adding
    the ``__init__`` of every enclosing package (Python runs it first);
+   a module loaded by name (``importlib.import_module``) is not seen: name it among the
+   entries (the trace stage's model families, :data:`pipeline.config.paths.STAGE_ENTRIES`);
 4. repeat until no new module appears, then hash the sorted relative paths and contents.
 
 Modules outside ``pipeline`` (torch, numpy) are pinned by ``pyproject.toml`` and recorded
@@ -49,6 +51,13 @@ def _is_package(path: Path) -> bool:
 
 def _imports(name: str, path: Path, root: Path) -> set[str]:
     """Project modules ``name`` (at ``path``) imports anywhere in its body."""
+    st = path.stat()
+    return set(_imports_cached(name, path, root, st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=4096)
+def _imports_cached(name: str, path: Path, root: Path, mtime_ns: int, size: int
+                    ) -> frozenset[str]:
     tree = ast.parse(path.read_bytes(), filename=str(path))
     found: set[str] = set()
     for node in ast.walk(tree):
@@ -76,7 +85,7 @@ def _imports(name: str, path: Path, root: Path) -> set[str]:
         parts = mod.split(".")
         for i in range(1, len(parts) + 1):
             closed.add(".".join(parts[:i]))
-    return {m for m in closed if module_file(m, root) is not None}
+    return frozenset(m for m in closed if module_file(m, root) is not None)
 
 
 def imported_modules(entries: Iterable[str], root: Path) -> dict[str, Path]:

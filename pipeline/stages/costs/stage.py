@@ -50,10 +50,10 @@ from pipeline.core.artifacts import COSTS, FACTORS
 from pipeline.costmodel.factors import FactorProvider, group_structure
 from pipeline.costmodel.fsdp import collective_options_of_config
 from pipeline.costmodel.model import TRANSITION_COST, CostModel
-from pipeline.memory.model import memory_model
-from pipeline.memory.options import device_memory_of_config, options_of_config
 from pipeline.memory.budget import ParamBudget, check_budget_feasible, param_budget
 from pipeline.memory.constraint import check_feasible, memory_row
+from pipeline.memory.model import memory_model
+from pipeline.memory.options import device_memory_of_config, options_of_config
 from pipeline.solvers.lagrangian import allowed_unaries
 from pipeline.solvers.mrf import MRF
 from pipeline.stages.costs.factors_file import load_factors, save_factors
