@@ -1,7 +1,7 @@
 """The graph interpreter: the traced training step run on DTensors as the plan says.
 
 :func:`run_step` interprets the joint forward + loss + backward graph of the trace
-stage (``graph.parquet``, decoded by :func:`pipeline.stages.topology.load_nodes`) node by node
+stage (``graph.parquet``, decoded by :func:`pipeline.core.ir.load_nodes`) node by node
 on a real process group:
 
 1. placeholders: parameters, buffers and model inputs are DTensors in their planned
@@ -44,14 +44,16 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from pipeline.apply.counter import CollectiveCounter
+from pipeline.core.artifacts import GRAPH_FILE
 from pipeline.core.errors import PlanError
+from pipeline.core.ir import read_graph
 from pipeline.dtensor.placements import (
     NON_TENSOR,
     format_placements,
     parse_output,
     parse_placements,
 )
-from pipeline.plan.format import Plan
+from pipeline.plan.format import Plan, check_graph, check_mesh, check_world_size
 
 __all__ = ["PlacementMismatchError", "StepResult", "distribute_full", "resolve_target",
            "run_graph", "run_step"]
@@ -246,8 +248,6 @@ def run_step(nodes: Sequence[Any], plan: Plan, mesh: Any, *, params: Mapping[str
     """
     import torch.distributed as dist
 
-    from pipeline.plan.format import check_mesh, check_world_size
-
     check_mesh(plan, mesh)
     if dist.is_initialized():
         check_world_size(plan, dist.get_world_size())
@@ -441,17 +441,6 @@ def _call(op: Any, decode: _Decoder, n: Any, tensors: list[Any]) -> Any:
     return op(*args, **kwargs)
 
 
-def _refs_in(obj: Any) -> list[int]:
-    if isinstance(obj, dict):
-        if set(obj) == {"node"}:
-            return [obj["node"]]
-        return [r for v in obj.values() for r in _refs_in(v)]
-    if isinstance(obj, list):
-        return [r for v in obj for r in _refs_in(v)]
-    return []
-
-
-
 def run_graph(plan: Plan) -> Any:
     """The graph IR table of the run a plan file sits in (``graph.parquet`` in a parent
     directory of the plan, the run's trace directory), checked against the plan's
@@ -460,9 +449,6 @@ def run_graph(plan: Plan) -> Any:
     Raises:
         PlanError: no ``graph.parquet`` above the plan, or one of another trace.
     """
-    from pipeline.plan.format import check_graph
-    from pipeline.stages.trace.stage import GRAPH_FILE, read_graph
-
     for parent in Path(plan.path).resolve().parents:
         if (parent / GRAPH_FILE).exists():
             table, _ = read_graph(parent)

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.apply.step import run_graph
+from pipeline.core.ir import load_nodes
 from pipeline.dtensor.placements import format_placements
 from pipeline.plan.format import Plan
 
@@ -121,8 +122,6 @@ def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
     ``nodes``: the decoded graph IR; default the run's (:func:`run_graph`).
     """
     if nodes is None:
-        from pipeline.stages.topology import load_nodes
-
         nodes = load_nodes(run_graph(plan))
     names = plan.mesh_names
     ndim = len(names)

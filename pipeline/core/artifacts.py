@@ -80,7 +80,7 @@ class Artifact:
 
 
 GRAPH = Artifact("graph.parquet", "trace", 1, "pipeline.stages.trace.stage.run_trace",
-                 "pipeline.stages.trace.stage.read_graph")
+                 "pipeline.core.ir.read_graph")
 NODES = Artifact("nodes.parquet", "topology", 1, "pipeline.stages.topology.write_topology",
                  "pipeline.stages.topology.read_topology")
 STRATEGIES = Artifact("strategies.parquet", "topology", 1,

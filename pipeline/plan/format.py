@@ -46,6 +46,7 @@ from typing import Any
 
 from pipeline.core.artifacts import PLAN
 from pipeline.core.errors import PlanError
+from pipeline.core.ir import load_nodes
 
 PLAN_FILE = PLAN.name
 PLAN_FORMAT = "sharding-plan"
@@ -82,7 +83,7 @@ def model_hash(entries: Iterable[tuple[str, str, Sequence[int], str]]) -> str:
 
 def model_hash_of_graph(nodes: Sequence[Any]) -> str:
     """:func:`model_hash` of the parameter and buffer placeholders of a decoded graph IR
-    (:func:`pipeline.stages.topology.load_nodes`)."""
+    (:func:`pipeline.core.ir.load_nodes`)."""
     return model_hash((n.role, n.fqn, n.outputs[0]["shape"], n.outputs[0]["dtype"])
                       for n in nodes if n.kind == "placeholder"
                       and n.role in ("param", "buffer") and n.outputs and n.outputs[0])
@@ -114,18 +115,21 @@ def trace_hash(table: Any) -> str:
 
 def build_plan(*, graph_table: Any, nodes: Sequence[Any], solution: Any, record: dict[str, Any],
                mesh_shape: Sequence[int], mesh_names: Sequence[str], config_hash: str,
-               fallback: Sequence[bool] | None = None,
+               logits: int | None, fallback: Sequence[bool] | None = None,
                model_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The plan document of a solved run.
+    """The plan document of a solved run (the solve stage builds it:
+    :func:`pipeline.stages.solve.stage.plan_of_run`).
 
     Args:
         graph_table: the graph IR (``graph.parquet``), for :func:`trace_hash`.
-        nodes: the decoded graph IR (:func:`pipeline.stages.topology.load_nodes`).
+        nodes: the decoded graph IR (:func:`pipeline.core.ir.load_nodes`).
         solution: ``solution.parquet`` as a table: one row per placement-problem node,
             graph nodes in graph order then the output sinks.
         record: the run record (``run_id``, ``placement_hash``, ``collectives``).
         mesh_shape, mesh_names: the device mesh.
         config_hash: the key of the solve directory.
+        logits: graph index of the model's output before the loss (``model_output``),
+            or None.
         fallback: per solution row, whether the node had no DTensor strategy.
         model_config: the resolved ``model`` config the trace was made from.
     """
@@ -161,9 +165,6 @@ def build_plan(*, graph_table: Any, nodes: Sequence[Any], solution: Any, record:
         outputs.append({"index": k, "kind": "grad" if desc.get("kind") == "grad" else "loss",
                         "grad_of": desc.get("grad_of"), "node": sink,
                         "producer": nodes[ref["node"]].name, "placement": outs[row_of[sink]]})
-    from pipeline.stages.topology import find_logits
-
-    logits = find_logits(list(nodes))
     model_output = None if logits is None else {
         "node": nodes[logits].name, "placement": outs[row_of[nodes[logits].name]]}
     plan_nodes = [{"name": n.name, "op": n.target, "output": outs[row_of[n.name]],
@@ -181,24 +182,6 @@ def build_plan(*, graph_table: Any, nodes: Sequence[Any], solution: Any, record:
         "model_output": model_output, "nodes": plan_nodes,
         "collectives": record.get("collectives", {}),
     }
-
-
-def plan_of_run(cfg: Any, dirs: Any, record: dict[str, Any], solution: Any,
-                fallback: Sequence[bool] | None = None) -> dict[str, Any]:
-    """:func:`build_plan` for a resolved config and its stage directories (the solve
-    stage calls this once ``solution.parquet`` is known)."""
-    from omegaconf import OmegaConf
-
-    from pipeline.config import config_hash, stage_keys
-    from pipeline.stages.topology import load_nodes
-    from pipeline.stages.trace.stage import read_graph
-
-    table, _ = read_graph(Path(dirs.trace))
-    return build_plan(graph_table=table, nodes=load_nodes(table), solution=solution,
-                      record=record, mesh_shape=list(cfg.mesh),
-                      mesh_names=list(cfg.mesh_names),
-                      config_hash=config_hash(stage_keys(cfg, "solve")), fallback=fallback,
-                      model_config=OmegaConf.to_container(cfg.model, resolve=True))
 
 
 def write_plan(path: Path | str, plan: dict[str, Any]) -> None:
@@ -570,7 +553,6 @@ def check_graph(plan: Plan, graph: Any) -> None:
     """Fail unless the graph IR table ``graph`` is the trace the plan was made from, and
     every node placement is legal for the node's output shapes."""
     from pipeline.dtensor.placements import parse_output
-    from pipeline.stages.topology import load_nodes
 
     got = trace_hash(graph)
     if got != plan.trace_hash:

@@ -6,8 +6,8 @@ called the same way, ``solve(mrf, options) -> SolverResult``, through
 :mod:`pipeline.solvers.options`, result in :mod:`pipeline.solvers.result`,
 status words in :mod:`pipeline.solvers.status`).
 
-* ``trws.py`` (+ ``compiled.py``, ``batches.py``, ``local_search.py``): TRW-S
-  and the local-search polish (solver ``approx``).
+* ``trws.py`` (+ ``layout.py``, ``batches.py``, ``compiled.py``, ``local_search.py``):
+  TRW-S and the local-search polish (solver ``approx``).
 * ``ilp/``: the exact integer program and its LP relaxation (``ilp``, ``lp``).
 * ``lagrangian.py``: linear rows for a solver that ignores them (``lagrangian``).
 * ``brute.py``: enumeration, the test oracle (``brute_force``).

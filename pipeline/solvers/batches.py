@@ -1,14 +1,14 @@
-"""Level batches of a :class:`~pipeline.solvers.compiled.CompiledMRF`.
+"""Level batches of an MRF's flat arrays (:class:`~pipeline.solvers.layout.MRFLayout`).
 
 A *level* is a set of groups no two of which are adjacent, processed as one
-batch of vectorised numpy calls (pipeline/solvers/compiled.py explains why the
+batch of vectorised numpy calls (pipeline/solvers/layout.py explains why the
 level-by-level sweep equals the sequential one). This module holds what one
 batch reads -- :class:`SendBatch` (a TRW-S message pass) and :class:`CondBatch`
 (a labelling sweep: decoding or ICM) -- how they are built from the compiled
 arrays, the sweep that consumes a :class:`CondBatch` list, and the visiting
 orders (:func:`index_order_levels`, :func:`interleaved_order`).
 
-Gathers use the layouts of compiled.py: messages in class space of their
+Gathers use the layouts of layout.py: messages in class space of their
 target, values summed over incident edges in ``[group][label][edge]`` order with
 ``np.add.reduceat`` (fixed summation order, deterministic).
 """
@@ -16,12 +16,10 @@ target, values summed over incident edges in ``[group][label][edge]`` order with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from pipeline.solvers.compiled import CompiledMRF
+from pipeline.solvers.layout import MRFLayout
 
 _INF = np.inf
 _IP = np.intp
@@ -148,8 +146,7 @@ class CondBatch:
     kmax: int
 
 
-
-def _labels_of(cm: CompiledMRF, nodes: np.ndarray
+def _labels_of(cm: MRFLayout, nodes: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """Concatenated unaries, ``th_seg`` and ``lab_start`` of the groups ``nodes``."""
     k = cm.sizes[nodes]
@@ -166,7 +163,7 @@ def _labels_of(cm: CompiledMRF, nodes: np.ndarray
     return theta, th_seg, lab_start
 
 
-def send_batch(cm: CompiledMRF, nodes: np.ndarray, send: list[int], th_idx_of: list,
+def send_batch(cm: MRFLayout, nodes: np.ndarray, send: list[int], th_idx_of: list,
                *, forward: bool) -> SendBatch:
     """The :class:`SendBatch` of one level: ``nodes`` send along the edges ``send``;
     ``th_idx_of[s]``: the message gather index of group ``s``."""
@@ -251,7 +248,7 @@ def send_batch(cm: CompiledMRF, nodes: np.ndarray, send: list[int], th_idx_of: l
     )
 
 
-def cond_batch(cm: CompiledMRF, nodes: np.ndarray, statics: list, *, decode: bool) -> CondBatch:
+def cond_batch(cm: MRFLayout, nodes: np.ndarray, statics: list, *, decode: bool) -> CondBatch:
     """The :class:`CondBatch` of one level; ``statics[s]``: the static part of the
     cost gather of group ``s`` (decoding or ICM layout, ``decode``)."""
     theta, th_seg, lab_start = _labels_of(cm, nodes)
@@ -291,7 +288,7 @@ def cond_batch(cm: CompiledMRF, nodes: np.ndarray, statics: list, *, decode: boo
 
 
 def conditional_sweep(
-    cm: CompiledMRF,
+    cm: MRFLayout,
     buf: np.ndarray,
     labels: np.ndarray,
     batches: list[CondBatch],
@@ -340,7 +337,6 @@ def conditional_sweep(
             changes += int(np.count_nonzero(labels[b.nodes] != best))
             labels[b.nodes] = best
     return changes
-
 
 
 def index_order_levels(edges: np.ndarray, n: int) -> int:

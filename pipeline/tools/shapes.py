@@ -62,6 +62,8 @@ from pipeline.config import (
     stage_dirs,
     stage_keys,
 )
+from pipeline.core.codehash import source_hash
+from pipeline.core.runtime import PROJECT_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -270,12 +272,12 @@ def shapes_request(keys: dict[str, Any], plan_cfg: DictConfig,
 
 
 def code_hash() -> str:
-    """SHA-256 (16 hex digits) over this module, the plan picture's and the run stages'
-    code hashes: the Snakemake rule's ``params.code``."""
+    """SHA-256 (16 hex digits) over this module, the plan picture's code (the modules
+    :mod:`pipeline.stages.report.picture` imports) and the run stages' code hashes: the
+    Snakemake rule's ``params.code``."""
     h = hashlib.sha256()
-    from pipeline.stages.report import picture
-    for path in (Path(__file__), Path(picture.__file__)):
-        h.update(path.read_bytes() + b"\0")
+    h.update(Path(__file__).read_bytes() + b"\0")
+    h.update(source_hash(("pipeline.stages.report.picture",), PROJECT_ROOT).encode() + b"\0")
     for stage in _RUN_STAGES:
         h.update(stage_code_hash(stage).encode() + b"\0")
     return h.hexdigest()[:16]

@@ -1,8 +1,11 @@
 """Layer 7, verify: execute a plan on gloo processes and compare with the unsharded step.
 
-=========  =======================================================================
-module     job
-=========  =======================================================================
-``run``    :func:`verify` and ``python -m pipeline.verify``
-=========  =======================================================================
+===========  =====================================================================
+module       job
+===========  =====================================================================
+``run``      :func:`verify` and ``python -m pipeline.verify``: checks the inputs,
+             runs the stages and the processes, writes ``verify.json``
+``execute``  what each process runs: the model with real weights, the planned step
+             on ``gloo``, rank 0's reference step
+===========  =====================================================================
 """

@@ -35,13 +35,14 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from pipeline.config import config_hash, stage_keys
 from pipeline.config.readers import workers_config
 from pipeline.core import artifacts, progress, runtime
 from pipeline.core.artifacts import (  # noqa: F401 - file names, re-exported
@@ -54,12 +55,13 @@ from pipeline.core.artifacts import (  # noqa: F401 - file names, re-exported
     SOLUTION,
     SOLUTION_FILE,
 )
+from pipeline.core.ir import load_nodes, read_graph
 from pipeline.costmodel.breakdown import plan_breakdown
 from pipeline.costmodel.factors import PARALLEL_MIN_WORK, group_structure
-from pipeline.plan.format import plan_of_run, write_plan
+from pipeline.plan.format import build_plan, write_plan
 from pipeline.solvers.lagrangian import allowed_unaries
 from pipeline.stages.costs.stage import Costs, load_costs
-from pipeline.stages.topology import TopologyTables, read_topology
+from pipeline.stages.topology import TopologyTables, find_logits, read_topology
 
 log = logging.getLogger(__name__)
 
@@ -296,6 +298,22 @@ def _model_info(dirs: Any) -> dict[str, Any]:
     return info
 
 
+def plan_of_run(cfg: Any, dirs: Any, record: dict[str, Any], solution: Any,
+                fallback: Sequence[bool] | None = None) -> dict[str, Any]:
+    """The plan document (:func:`pipeline.plan.format.build_plan`) of a resolved config,
+    its stage directories, its run record and ``solution.parquet`` as a table."""
+    from omegaconf import OmegaConf
+
+    table, _ = read_graph(Path(dirs.trace))
+    nodes = load_nodes(table)
+    return build_plan(graph_table=table, nodes=nodes, solution=solution,
+                      record=record, mesh_shape=list(cfg.mesh),
+                      mesh_names=list(cfg.mesh_names),
+                      config_hash=config_hash(stage_keys(cfg, "solve")),
+                      logits=find_logits(nodes), fallback=fallback,
+                      model_config=OmegaConf.to_container(cfg.model, resolve=True))
+
+
 def run_solve(cfg: Any, dirs: Any) -> None:
     """Stage entry point: solve, then write ``solution.parquet``,
     ``redistributions.parquet`` and ``run.json`` (last)."""
@@ -383,7 +401,6 @@ def _step_time(cfg: Any, topology: TopologyTables, costs: Costs, cost_model: Any
 def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result: Any,
             lp_bound: float | None, timer: runtime.PhaseTimer, upstream: dict[str, float],
             fit: Any = None) -> tuple[dict[str, Any], pa.Table, pa.Table]:
-    from pipeline.config import config_hash
     from pipeline.solvers.result import is_certified, relative_gap
     from pipeline.solvers.status import HEURISTIC, OPTIMAL
 

@@ -11,7 +11,6 @@ One job per module:
 ==============  ================================================================
 module          job
 ==============  ================================================================
-``ir``          the graph IR (``graph.parquet``) read back as :class:`IRNode`\\ s
 ``strategies``  DTensor strategy enumeration per node signature
 ``problem``     the problem nodes (graph nodes and output sinks), strategy lists
                 shared between them, edges
@@ -22,9 +21,13 @@ module          job
 ``stage``       :func:`build_topology` (the steps in order) and :func:`run_topology`
 ==============  ================================================================
 
-The graph IR's JSON conventions shared with the cost stage are in :mod:`pipeline.core.ir`.
+The graph IR (``graph.parquet``) is read back as :class:`~pipeline.core.ir.IRNode`\\ s by
+:mod:`pipeline.core.ir`, which also holds its JSON conventions; ``IRNode``,
+``load_nodes`` and ``read_nodes`` are re-exported here as the input of
+:func:`build_topology`.
 """
 
+from pipeline.core.ir import IRNode, load_nodes, read_nodes
 from pipeline.stages.topology.artifacts import (
     EDGES_FILE,
     NODES_FILE,
@@ -35,7 +38,6 @@ from pipeline.stages.topology.artifacts import (
     write_topology,
 )
 from pipeline.stages.topology.groups import repeated_layers, structural_hashes
-from pipeline.stages.topology.ir import IRNode, load_nodes, read_nodes
 from pipeline.stages.topology.pins import find_logits
 from pipeline.stages.topology.problem import ProblemNode, StrategyTable, Topology, TopologyError
 from pipeline.stages.topology.stage import build_topology, device_mesh, run_topology

@@ -20,8 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.core.ir import map_tensor_refs
-from pipeline.stages.topology.ir import IRNode
+from pipeline.core.ir import IRNode, map_tensor_refs
 from pipeline.stages.topology.problem import ProblemNode, StrategyTable, problem_id_of
 
 

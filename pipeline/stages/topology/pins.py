@@ -48,11 +48,10 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from pipeline.core.ir import is_tensor_ref
+from pipeline.core.ir import IRNode, graph_outputs, is_tensor_ref
 from pipeline.core.recipes import recipe_dim_roles
 from pipeline.dtensor.placements import format_placements, parse_placements
 from pipeline.stages.topology.groups import Grouping
-from pipeline.stages.topology.ir import IRNode, graph_outputs
 from pipeline.stages.topology.problem import (
     ProblemNode,
     StrategyTable,

@@ -27,9 +27,8 @@ from typing import Any
 
 from pipeline.core import progress
 from pipeline.core.errors import PlanError
-from pipeline.core.ir import is_tensor_ref
+from pipeline.core.ir import IRNode, graph_outputs, is_tensor_ref, output_meta
 from pipeline.dtensor.placements import local_shape
-from pipeline.stages.topology.ir import IRNode, graph_outputs, output_meta
 from pipeline.stages.topology.strategies import StrategyEnumerator, StrategyList
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from pipeline.core import artifacts, runtime
 from pipeline.core.artifacts import GRAPH
+from pipeline.core.ir import IRNode, read_nodes
 from pipeline.core.parallel import resolve_workers
 from pipeline.stages.topology.artifacts import write_topology
 from pipeline.stages.topology.groups import group_nodes
-from pipeline.stages.topology.ir import IRNode, read_nodes
 from pipeline.stages.topology.pins import apply_pins, parse_pins, pin_requests, recipe_of
 from pipeline.stages.topology.problem import (
     StrategyTable,

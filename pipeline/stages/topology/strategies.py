@@ -40,13 +40,13 @@ from typing import Any
 
 from pipeline.core.ir import (
     TENSOR_REF_RE,
+    IRNode,
     decode_value,
     is_tensor_ref,
     map_tensor_refs,
     resolve_op,
     tensor_refs,
 )
-from pipeline.stages.topology.ir import IRNode
 
 _FLOATING = ("float32", "bfloat16", "float16", "float64")
 

@@ -63,6 +63,8 @@ phase          fwd | bwd
 output_desc    JSON, output node only: per element ``{"kind": "loss"|"grad"|"none",
                "grad_of": fqn}``
 =============  ===========================================================
+
+The IR is read back (torch-free) by :mod:`pipeline.core.ir`.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ import pyarrow as pa
 
 from pipeline.core import runtime
 from pipeline.core.artifacts import GRAPH_FILE
+from pipeline.core.ir import tagged, tensor_ref
 
 log = logging.getLogger(__name__)
 
@@ -130,24 +133,25 @@ def layer_of_path(path: str | None) -> str | None:
 
 
 def _encode(arg: Any, index: dict[Any, int]) -> Any:
+    """An FX argument in the IR's JSON form (the conventions of :mod:`pipeline.core.ir`)."""
     import torch
     import torch.fx as fx
 
     if isinstance(arg, fx.Node):
-        return {"node": index[arg]}
+        return tensor_ref(index[arg])
     if isinstance(arg, (list, tuple)):
         return [_encode(a, index) for a in arg]
     if isinstance(arg, dict):
         return {str(k): _encode(v, index) for k, v in arg.items()}
     if isinstance(arg, torch.dtype):
-        return {"dtype": str(arg).replace("torch.", "")}
+        return tagged("dtype", str(arg).replace("torch.", ""))
     if isinstance(arg, (torch.device, torch.layout, torch.memory_format)):
-        return {"enum": str(arg)}
+        return tagged("enum", str(arg))
     if isinstance(arg, float) and (arg != arg or arg in (float("inf"), float("-inf"))):
-        return {"float": str(arg)}
+        return tagged("float", str(arg))
     if arg is None or isinstance(arg, (bool, int, float, str)):
         return arg
-    return {"repr": repr(arg)}
+    return tagged("repr", repr(arg))
 
 
 def _tensor_meta(val: Any) -> dict | None:
@@ -478,10 +482,3 @@ def run_trace(cfg: Any, out_dir: Path) -> None:
     runtime.write_parquet(Path(out_dir) / GRAPH_FILE, table, metadata=meta)
     log.info("trace: %d nodes in %.2f s", facts["nodes"], timer.seconds["trace"])
 
-
-def read_graph(trace_dir: Path) -> tuple[pa.Table, dict]:
-    """Read the graph IR and its stage metadata."""
-
-    table = runtime.read_parquet(Path(trace_dir) / GRAPH_FILE)
-    meta = json.loads((table.schema.metadata or {}).get(b"pipeline", b"{}"))
-    return table, meta

@@ -61,6 +61,8 @@ from typing import Any
 
 import pyarrow as pa
 
+from pipeline.core.ir import TENSOR_REF_RE as _REF_RE
+
 __all__ = ["SHORT_LAYERS", "ShortModel", "StampError", "name_gaps", "names_from_gaps",
            "short_model_plan", "stamp", "truncate_blocks"]
 
@@ -69,7 +71,6 @@ SHORT_LAYERS = 4
 #: Attributes holding the layer index (built-in LLaMA has none; transformers: layer_idx).
 LAYER_INDEX_ATTRS: frozenset[str] = frozenset({"layer_idx", "layer_id", "layer_number"})
 _NAME_RE = re.compile(r"^([a-zA-Z_][0-9a-zA-Z_]*?)(?:_(\d+))?$")
-_REF_RE = re.compile(r'\{"node": (\d+)\}')
 _PLAIN = (int, float, str, bool, type(None))
 
 
