@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from pipeline.models.llama import ModelConfig, ffn_hidden_dim
+from pipeline.models.llama_config import ModelConfig, ffn_hidden_dim
 
 
 def _dtype(name: str) -> torch.dtype:
