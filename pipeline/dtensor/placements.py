@@ -40,19 +40,17 @@ import re
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import (
-    Partial,
-    Placement,
-    Replicate,
-    Shard,
-    _MaskPartial,
-    _StridedShard,
-)
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-try:  # _NormPartial lives with the math-op strategies (partial p-norms).
-    from torch.distributed.tensor._ops._math_ops import _NormPartial
-except ImportError:  # pragma: no cover - older/newer torch without it
-    _NormPartial = None  # type: ignore[assignment,misc]
+from pipeline.dtensor.torch_compat import (
+    C_PARTIAL,
+    C_REPLICATE,
+    C_SHARD,
+    C_STRIDED_SHARD,
+    MaskPartial,
+    NormPartial,
+    StridedShard,
+)
 
 __all__ = [
     "NON_TENSOR",
@@ -69,10 +67,6 @@ __all__ = [
 #: DTensor's ``Partial`` documents).
 REDUCE_OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "product", "band", "bor", "bxor")
 
-_C_SHARD = torch._C._distributed.Shard
-_C_STRIDED = torch._C._distributed.StridedShard
-_C_REPLICATE = torch._C._distributed.Replicate
-_C_PARTIAL = torch._C._distributed.Partial
 
 #: Marker for a non-tensor element of a tuple output.
 NON_TENSOR = "-"
@@ -112,22 +106,22 @@ def format_placement(p: Placement) -> str:
     Raises:
         ValueError: for a placement type the notation does not know.
     """
-    if _NormPartial is not None and isinstance(p, _NormPartial):
+    if NormPartial is not None and isinstance(p, NormPartial):
         return f"NP({_format_number(p.norm_type)})"
-    if isinstance(p, _MaskPartial):
+    if isinstance(p, MaskPartial):
         parts = [] if p.reduce_op == "sum" else [p.reduce_op]
         parts.append(str(int(p.offset_dim)))
         if p.offset_shape is not None:
             parts.append("x".join(str(int(s)) for s in p.offset_shape))
         return f"MP({','.join(parts)})"
     # The C++ base classes also cover raw torch._C._distributed placements.
-    if isinstance(p, _C_STRIDED):
+    if isinstance(p, C_STRIDED_SHARD):
         return f"SS({int(p.dim)},{int(p.split_factor)})"
-    if isinstance(p, _C_SHARD):
+    if isinstance(p, C_SHARD):
         return f"S({int(p.dim)})"
-    if isinstance(p, _C_REPLICATE):
+    if isinstance(p, C_REPLICATE):
         return "R"
-    if isinstance(p, _C_PARTIAL):
+    if isinstance(p, C_PARTIAL):
         return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
     raise ValueError(f"cannot format placement {p!r}: {_ALLOWED}")
 
@@ -187,7 +181,7 @@ def _token_to_placement(m: re.Match) -> Placement:
         k = int(g["ss_k"])
         if k < 1:
             raise ValueError(f"split factor must be >= 1, got {k}")
-        return _StridedShard(int(g["ss_dim"]), split_factor=k)
+        return StridedShard(int(g["ss_dim"]), split_factor=k)
     if g["s_dim"] is not None:
         return Shard(int(g["s_dim"]))
     if g["mp_dim"] is not None:
@@ -196,13 +190,13 @@ def _token_to_placement(m: re.Match) -> Placement:
             raise ValueError(f"unknown reduce op {op!r}")
         shape_txt = g["mp_shape"]
         shape = torch.Size(int(s) for s in shape_txt.split("x")) if shape_txt else None
-        return _MaskPartial(reduce_op=op, offset_shape=shape, offset_dim=int(g["mp_dim"]))
+        return MaskPartial(reduce_op=op, offset_shape=shape, offset_dim=int(g["mp_dim"]))
     if g["np_p"] is not None:
-        if _NormPartial is None:  # pragma: no cover
+        if NormPartial is None:  # pragma: no cover
             raise ValueError("_NormPartial is not available in this torch")
         txt = g["np_p"]
         value: float | int = int(txt) if re.fullmatch(_INT, txt) else float(txt)
-        return _NormPartial(norm_type=value)
+        return NormPartial(norm_type=value)
     op = g["p_op"] or "sum"
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduce op {op!r}")
