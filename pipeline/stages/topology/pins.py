@@ -63,6 +63,7 @@ from typing import Any, NamedTuple
 
 from pipeline.core.ir import is_tensor_ref
 from pipeline.dtensor.placements import format_placements, parse_placements
+from pipeline.stages.topology.candidates import StrategyList
 from pipeline.stages.topology.groups import Grouping
 from pipeline.stages.topology.ir import IRNode, graph_outputs
 from pipeline.stages.topology.problem import (
@@ -71,7 +72,6 @@ from pipeline.stages.topology.problem import (
     TopologyError,
     problem_id_of,
 )
-from pipeline.stages.topology.strategies import StrategyList
 
 #: The recipes of config ``recipe`` (module docstring).
 RECIPES: tuple[str, ...] = ("ddp", "fsdp", "hsdp", "fsdp_tp", "fsdp_tp_cp")
