@@ -134,6 +134,8 @@ def test_prefetch_fills_the_memo_with_the_serial_strategies(toy_graph: object) -
         if n.kind == "call_function" and n.target != "getitem":
             serial.op_strategies(n, [nodes[r].outputs[0] for r in n.refs])
     assert forked.cache.keys() == serial.cache.keys()
+    assert forked.rejections() == serial.rejections()  # the workers' counts came back
+    assert forked.rejections()  # the toy has rejected candidates (unbind, nll_loss)
 
     def text(strategies: object) -> list:  # _MaskPartial's == compares its mask buffer's
         return [(format_strategy_output(o), [format_placements(p) for p in ins])  # identity
