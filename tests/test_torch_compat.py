@@ -240,7 +240,7 @@ def test_single_dim_strategy_of_mm(mesh: Any) -> None:
 
 def test_op_strategy_of_unbind_and_its_rejection(mesh: Any) -> None:
     with api("ShardingPropagator.op_strategy_funcs / op_to_schema_info; DTensor's "
-             "rejection of a placement (torch_compat.STRATEGY_REJECTIONS)"):
+             "rejection of a placement (torch_compat.STRATEGY_REJECTIONS, RuntimeError)"):
         func = tc.op_strategy_func(aten.unbind.int)
         info = tc.op_schema_info(aten.unbind.int)
         assert callable(func) and info is not None and info.static_argnum == 1
@@ -253,13 +253,13 @@ def test_op_strategy_of_unbind_and_its_rejection(mesh: Any) -> None:
         assert isinstance(out, tc.OpStrategy) and len(out.strategies) == 1
         assert [tuple(s.placements) for s in out.strategies[0].output_specs] == [
             (Shard(0), Replicate())] * 4
-        with pytest.raises(tc.STRATEGY_REJECTIONS) as rejected:
+        with pytest.raises(RuntimeError) as rejected:
             unbind((Shard(0), Replicate()))
-        assert type(rejected.value) is RuntimeError
+        assert tc.strategy_rejection(rejected.value, every_candidate=False)
 
 
 def test_nll_loss_refuses_unequal_candidate_counts(mesh: Any) -> None:
-    """The IndexError that STRATEGY_REJECTIONS_ALL_CANDIDATES admits."""
+    """The IndexError that STRATEGY_REJECTIONS admits in the all-candidate call only."""
     with api("ShardingPropagator.op_strategy_funcs[aten.nll_loss_forward.default]"):
         func = tc.op_strategy_func(aten.nll_loss_forward.default)
         logits = tc.OpStrategy([
@@ -269,17 +269,51 @@ def test_nll_loss_refuses_unequal_candidate_counts(mesh: Any) -> None:
                           tc.TensorMeta(torch.Size([8]), (1,), torch.int64))
         schema = tc.OpSchema(aten.nll_loss_forward.default, (logits, target, None, 1, -100),
                              {}, schema_info=tc.op_schema_info(aten.nll_loss_forward.default))
-        with tc.zero_redistribute_costs(), pytest.raises(IndexError):
+        with tc.zero_redistribute_costs(), pytest.raises(IndexError) as refused:
             func(schema)
-        assert IndexError in tc.STRATEGY_REJECTIONS_ALL_CANDIDATES
-        assert IndexError not in tc.STRATEGY_REJECTIONS
+        assert tc.strategy_rejection(refused.value, every_candidate=True)
+        assert not tc.strategy_rejection(refused.value, every_candidate=False)
+
+
+def test_expand_refuses_a_shard_of_a_broadcast_dim(mesh: Any) -> None:
+    """The KeyError that STRATEGY_REJECTIONS admits from the view rules."""
+    with api("ShardingPropagator.op_strategy_funcs[aten.expand.default] "
+             "(_ops/_view_ops.py _rewrite_plain_shard)"):
+        func = tc.op_strategy_func(aten.expand.default)
+        arg = strategy(mesh, (Shard(1), Replicate()), meta(4, 1, 8))
+        schema = tc.OpSchema(aten.expand.default, (arg, [4, 6, 8]), {},
+                             schema_info=tc.op_schema_info(aten.expand.default))
+        with tc.zero_redistribute_costs(), pytest.raises(KeyError) as refused:
+            func(schema)
+        assert tc.strategy_rejection(refused.value, every_candidate=False)
+        ok = func(tc.OpSchema(aten.expand.default,
+                              (strategy(mesh, (Shard(0), Replicate()), meta(4, 1, 8)),
+                               [4, 6, 8]), {}))
+        assert [tuple(s.output_spec.placements) for s in ok.strategies] == [
+            (Shard(0), Replicate())]
+
+
+def _raised(err: Exception) -> Exception:
+    try:
+        raise err
+    except Exception as caught:  # noqa: BLE001 - returned with its traceback
+        return caught
+
+
+def test_other_exceptions_are_no_rejection() -> None:
+    """Raised outside DTensor, or of another type, an exception rejects nothing."""
+    assert not tc.strategy_rejection(_raised(TypeError("x")), every_candidate=True)
+    assert not tc.strategy_rejection(_raised(RuntimeError("x")), every_candidate=True)
+    assert not tc.strategy_rejection(_raised(KeyError("x")), every_candidate=True)
+    assert not tc.strategy_rejection(_raised(NotImplementedError("x")), every_candidate=True)
 
 
 def test_strategy_function_error_names_the_op() -> None:
     err = tc.StrategyFunctionError.of(aten.mm.default, TypeError("bad argument"))
     text = str(err)
     assert "aten.mm.default" in text and "TypeError: bad argument" in text
-    assert "torch_compat.py" in text and isinstance(err, tc.TorchAPIError)
+    assert "STRATEGY_REJECTIONS" in text and "torch_compat.py" in text
+    assert isinstance(err, tc.TorchAPIError)
 
 
 def test_generate_redistribute_costs_patch() -> None:

@@ -25,7 +25,8 @@ import contextlib
 import importlib
 import sys
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.library
@@ -54,7 +55,7 @@ __all__ = [
     "PlainAOTInput",
     "PlainAOTOutput",
     "STRATEGY_REJECTIONS",
-    "STRATEGY_REJECTIONS_ALL_CANDIDATES",
+    "Rejection",
     "ShardingPlaceholder",
     "StrategyFunctionError",
     "StridedShard",
@@ -83,6 +84,7 @@ __all__ = [
     "reparametrize_module",
     "sharding_propagator",
     "single_dim_strategy_func",
+    "strategy_rejection",
     "zero_redistribute_costs",
 ]
 
@@ -104,10 +106,9 @@ class StrategyFunctionError(TorchAPIError):
     def of(cls, op: Any, err: BaseException) -> StrategyFunctionError:
         """The error for ``op``'s strategy function having raised ``err``."""
         first = str(err).splitlines()[0] if str(err) else ""
-        allowed = ", ".join(e.__name__ for e in STRATEGY_REJECTIONS)
         return cls(f"{op}: DTensor's strategy function raised {type(err).__name__}: "
-                   f"{first} (DTensor rejects a placement with {allowed} only; "
-                   f"torch {torch.__version__}, see pipeline/dtensor/torch_compat.py)")
+                   f"{first} (not how DTensor rejects a placement, STRATEGY_REJECTIONS in "
+                   f"pipeline/dtensor/torch_compat.py; torch {torch.__version__})")
 
 
 def _require(module: str, name: str) -> Any:
@@ -276,25 +277,70 @@ def op_schema_info(op: Any) -> Any:
     return sharding_propagator().op_to_schema_info.get(op)
 
 
-#: The exceptions with which DTensor's full strategy functions reject the input
-#: placements offered (torch 2.13, ``torch/distributed/tensor/``): ``RuntimeError`` for a
-#: sharding an op cannot keep (``_ops/_tensor_ops.py:1506`` unbind along a sharded dim;
-#: ``_ops/_view_ops.py:811, 947, 1019, 1043, 1278, 1343`` views of uneven or split
-#: shards; ``_ops/_common_rules.py:94`` conflicting einsum shardings; ``_ops/utils.py:670``
-#: an in-place op's placement), ``ValueError`` (``_ops/_math_ops.py:1029`` an uneven
-#: ``nll_loss`` mean; ``_ops/_tensor_ops.py:921`` arguments on other meshes; the spec
-#: checks of ``_dtensor_spec.py``, ``_StridedShardNotDecodableError`` included) and
-#: ``AssertionError`` (the ``raise AssertionError`` argument checks, e.g.
-#: ``_ops/_tensor_ops.py:1014, 1058`` cat of unlike inputs). No strategy function raises
-#: ``NotImplementedError`` (only ``_sharding_prop.py:1041``, for an op without one);
-#: ``TypeError``, ``AttributeError`` or ``KeyError`` mean an API changed.
-STRATEGY_REJECTIONS: tuple[type[Exception], ...] = (AssertionError, RuntimeError, ValueError)
-#: :data:`STRATEGY_REJECTIONS` plus ``IndexError`` for the call that offers every
-#: candidate of every argument at once: ``nll_loss_forward`` / ``nll_loss_backward``
-#: index the target's strategies by the input's (``_ops/_math_ops.py:989, 1121``), so
-#: they refuse arguments offering different numbers of placements.
-STRATEGY_REJECTIONS_ALL_CANDIDATES: tuple[type[Exception], ...] = (
-    *STRATEGY_REJECTIONS, IndexError)
+class Rejection(NamedTuple):
+    """One way a DTensor strategy function refuses the input placements offered.
+
+    Attributes:
+        kind: the exception class (subclasses included).
+        raised_in: the module file, relative to ``torch/distributed/tensor/``, whose code
+            raises it (the innermost frame of the traceback), or ``""`` for any module of
+            that package.
+        every_candidate: only in the call that offers every candidate of every argument
+            at once (arguments offering different numbers of placements).
+        where: torch 2.13 sites and what they refuse.
+    """
+
+    kind: type[Exception]
+    raised_in: str
+    every_candidate: bool
+    where: str
+
+
+#: How DTensor's full strategy functions reject input placements (torch 2.13; read off
+#: ``torch/distributed/tensor/_ops/``, ``_op_schema.py``, ``_dtensor_spec.py`` and
+#: observed enumerating the toy, LLaMA and tiny transformers models on 1-3-d meshes).
+#: No strategy function raises ``NotImplementedError`` (only ``_sharding_prop.py:1041``,
+#: for an op without one); a ``TypeError`` or ``AttributeError``, or a ``KeyError`` /
+#: ``IndexError`` anywhere else, means an API changed: :class:`StrategyFunctionError`.
+STRATEGY_REJECTIONS: tuple[Rejection, ...] = (
+    Rejection(RuntimeError, "", False,
+              "a sharding the op cannot keep: _ops/_tensor_ops.py:1506 unbind along a sharded "
+              "dim; _ops/_view_ops.py:811, 947, 1019, 1043, 1278, 1343 views of uneven or "
+              "split shards; _ops/_common_rules.py:94 conflicting einsum shardings; "
+              "_ops/utils.py:670 an in-place op's placement"),
+    Rejection(ValueError, "", False,
+              "_ops/_math_ops.py:1029 an uneven nll_loss mean; _ops/_tensor_ops.py:921 "
+              "arguments on other meshes; the spec checks of _dtensor_spec.py "
+              "(_StridedShardNotDecodableError included)"),
+    Rejection(AssertionError, "", False,
+              "the raise AssertionError argument checks, e.g. _ops/_tensor_ops.py:1014, "
+              "1058 cat of unlike inputs"),
+    Rejection(KeyError, "_ops/_view_ops.py", False,
+              "_ops/_view_ops.py:1202 (_rewrite_plain_shard): a Shard of an input dim the "
+              "view maps to no output dim (expand of a size-1 dim)"),
+    Rejection(IndexError, "_ops/_math_ops.py", True,
+              "_ops/_math_ops.py:989, 1121 nll_loss_forward / nll_loss_backward index the "
+              "target's strategies by the input's"),
+)
+
+_DT_DIR = Path(importlib.import_module(_DT).__file__).parent
+
+
+def strategy_rejection(err: BaseException, every_candidate: bool) -> bool:
+    """Whether ``err``, raised by a DTensor strategy function, is its refusal of the
+    placements offered (one of :data:`STRATEGY_REJECTIONS`); ``every_candidate``: the
+    call offered every candidate of every argument at once."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    raised_in = None if tb is None else Path(tb.tb_frame.f_code.co_filename)
+    for r in STRATEGY_REJECTIONS:
+        if not isinstance(err, r.kind) or (r.every_candidate and not every_candidate):
+            continue
+        if raised_in is not None and raised_in.is_relative_to(_DT_DIR) and (
+                not r.raised_in or raised_in == _DT_DIR / r.raised_in):
+            return True
+    return False
 
 
 def _zero_costs(src_strategy: Any, dst_spec: Any) -> list[float]:

@@ -47,8 +47,6 @@ from pipeline.core.ir import (
     tensor_refs,
 )
 from pipeline.dtensor.torch_compat import (
-    STRATEGY_REJECTIONS,
-    STRATEGY_REJECTIONS_ALL_CANDIDATES,
     DTensorSpec,
     OpSchema,
     OpSpec,
@@ -59,6 +57,7 @@ from pipeline.dtensor.torch_compat import (
     op_schema_info,
     op_strategy_func,
     single_dim_strategy_func,
+    strategy_rejection,
     zero_redistribute_costs,
 )
 from pipeline.stages.topology.candidates import (
@@ -349,31 +348,31 @@ class StrategyEnumerator:
         placement (given to every tensor input of the first input's rank) and the
         union is kept.
 
-        A rejection is one of the exceptions DTensor rejects placements with
-        (:data:`~pipeline.dtensor.torch_compat.STRATEGY_REJECTIONS`; for the
-        all-candidate call also the ``IndexError`` of the zipping functions,
-        :data:`~pipeline.dtensor.torch_compat.STRATEGY_REJECTIONS_ALL_CANDIDATES`);
-        each is counted in ``rejected[key]``. Any other exception raises a
-        :class:`~pipeline.dtensor.torch_compat.StrategyFunctionError` naming the op.
+        A rejection is an exception raised the way DTensor rejects placements
+        (:data:`~pipeline.dtensor.torch_compat.STRATEGY_REJECTIONS`: its type and the
+        DTensor module raising it; the ``IndexError`` of the zipping functions in the
+        all-candidate call only); each is counted in ``rejected[key]``. Any other
+        exception raises a :class:`~pipeline.dtensor.torch_compat.StrategyFunctionError`
+        naming the op.
         """
         refused = 0
         rejected = object()  # what call() answers for a rejection
 
-        def call(schema: Any, rejections: tuple[type[Exception], ...]) -> Any:
+        def call(schema: Any, every_candidate: bool) -> Any:
             nonlocal refused
             try:
                 return func(schema)
-            except rejections:
-                refused += 1
-                return rejected
-            except Exception as err:  # noqa: BLE001 - re-raised, typed, naming the op
-                raise StrategyFunctionError.of(op, err) from err
+            except Exception as err:  # noqa: BLE001 - a rejection, else re-raised typed
+                if not strategy_rejection(err, every_candidate):
+                    raise StrategyFunctionError.of(op, err) from err
+            refused += 1
+            return rejected
 
         def call_each(picks: Iterator[dict[int, tuple]]) -> list:
             found = []
             for pick in picks:
                 schema = self._schema(op, node, metas, all_placements=False, pick=pick)
-                strat = call(schema, STRATEGY_REJECTIONS)
+                strat = call(schema, every_candidate=False)
                 if strat is not rejected:
                     found.append(strat)
             return found
@@ -389,8 +388,7 @@ class StrategyEnumerator:
             for cand in self.placements_of(metas[0]["shape"], partial=is_floating(metas[0])):
                 yield {k: cand for k in same}
 
-        every = call(self._schema(op, node, metas, all_placements=True),
-                     STRATEGY_REJECTIONS_ALL_CANDIDATES)
+        every = call(self._schema(op, node, metas, all_placements=True), every_candidate=True)
         if every is rejected:
             strats = call_each(one_arg_at_a_time())
         else:
