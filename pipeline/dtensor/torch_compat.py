@@ -5,8 +5,10 @@ so it depends on torch internals that carry no compatibility promise. Each of th
 named here once, with the public alternative or why there is none and where torch 2.13
 defines it (paths under ``torch/``); the rest of ``pipeline/`` imports them from this
 module. A name that a torch upgrade removes fails the import of this module with a
-:class:`TorchAPIError` naming it; tests/test_torch_compat.py checks, API by API, that
-each still exists and behaves as used (signatures, fields, one small real call).
+:class:`TorchAPIError` naming it (two exceptions: ``_NormPartial`` is optional, None when
+gone, and the joint export is looked up at its first call, its module taking seconds to
+import); tests/test_torch_compat.py checks, API by API, that each still exists and
+behaves as used (signatures, fields, one small real call).
 
 Left outside: ``pipeline/core/ir.py`` reads ``torch._ops.OpOverloadPacket`` and an
 overload's ``_schema`` itself, because the core layer may not import this (higher)
