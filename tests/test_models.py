@@ -339,7 +339,7 @@ def test_tracing_state_is_what_transformers_looks_for() -> None:
     values; the capture runs in torch.export's compiling state."""
     from transformers.utils.import_utils import is_tracing
 
-    from pipeline.stages.trace.stage import export_tracing_state
+    from pipeline.dtensor.torch_compat import export_tracing_state
 
     assert not is_tracing()
     with export_tracing_state():

@@ -135,6 +135,8 @@ def test_prefetch_fills_the_memo_with_the_serial_strategies(toy_graph: object) -
         if n.kind == "call_function" and n.target != "getitem":
             serial.op_strategies(n, [nodes[r].outputs[0] for r in n.refs])
     assert forked.cache.keys() == serial.cache.keys()
+    assert forked.rejections() == serial.rejections()  # the workers' counts came back
+    assert forked.rejections()  # the toy has rejected candidates (unbind, nll_loss)
 
     def text(strategies: object) -> list:  # _MaskPartial's == compares its mask buffer's
         return [(format_strategy_output(o), [format_placements(p) for p in ins])  # identity
@@ -153,7 +155,8 @@ def test_a_mask_partial_survives_the_way_back_from_a_worker() -> None:
     import torch
     from torch.distributed.tensor.placement_types import MaskBuffer, Replicate, _MaskPartial
 
-    from pipeline.stages.topology.strategies import StrategyList, _portable, _restored
+    from pipeline.stages.topology.candidates import StrategyList
+    from pipeline.stages.topology.portable import portable, restored
 
     buf = MaskBuffer()
     mp = _MaskPartial("sum", buf, torch.Size([1024, 256]), 0)
@@ -162,7 +165,7 @@ def test_a_mask_partial_survives_the_way_back_from_a_worker() -> None:
     other = _MaskPartial("max", MaskBuffer(), torch.Size([8, 4]), 1)
     sl = StrategyList(outputs=((Replicate(), mp), (other, Replicate())),
                       inputs=(((Replicate(), mp),), ((Replicate(), other),)))
-    back = _restored(pickle.loads(pickle.dumps(_portable(sl, {}))), {})
+    back = restored(pickle.loads(pickle.dumps(portable(sl, {}))), {})
     (o0, o1), (i0, i1) = back.outputs, back.inputs
     assert o0[1] == i0[0][1] and o0[1] is not mp  # one buffer for both, a new one
     assert o1[0] == i1[0][1]

@@ -242,3 +242,59 @@ def test_repeated_layers_share_groups(mesh_2x4: Any) -> None:
     assert no_twins.group_of[sink["layers.0.w"]] == no_twins.group_of[sink["layers.1.w"]]
     assert no_twins.group_of[sink["layers.0.w"]] != no_twins.group_of[2]
     assert len(set(no_twins.group_of)) == 16 - 3 - 1
+
+
+# ------------------------------------------------------------- rejected placements
+
+
+@pytest.fixture(scope="module")
+def toy_nodes() -> list[IRNode]:
+    """The toy model's graph, traced for a 2x4 mesh."""
+    from omegaconf import OmegaConf
+
+    from pipeline.config.compose import load_resolved
+    from pipeline.stages.topology import load_nodes
+    from pipeline.stages.trace.stage import trace_model
+
+    cfg = load_resolved(["model=toy", "mesh=2x4"])
+    table, _ = trace_model(OmegaConf.to_container(cfg.model, resolve=True), 8)
+    return load_nodes(table)
+
+
+def _toy_topology(nodes: list[IRNode], mesh: Any) -> Topology:
+    return build_topology(nodes, mesh, (2, 4), ("dp", "tp"), {"fwd_bwd_consistency": True},
+                          True)
+
+
+def test_rejections_are_counted_per_op_into_topology_json(
+        toy_nodes: list[IRNode], mesh_2x4: Any, tmp_path: Any) -> None:
+    """DTensor refuses unbind along a sharded dim (RuntimeError) 14 times, once per such
+    candidate of the toy's one unbind signature, and nll_loss's all-candidate call once
+    each (IndexError: it zips its arguments' candidates); the counts reach topology.json."""
+    from pipeline.stages.topology import read_topology, write_topology
+
+    topo = _toy_topology(toy_nodes, mesh_2x4)
+    assert topo.strategy_rejections == {"aten.nll_loss_backward.default": 1,
+                                        "aten.nll_loss_forward.default": 1,
+                                        "aten.unbind.int": 14}
+    write_topology(topo, tmp_path, {"stage": "topology"})
+    assert read_topology(tmp_path).summary["strategy_rejections"] == topo.strategy_rejections
+
+
+def test_a_strategy_function_raising_type_error_fails_the_stage(
+        toy_nodes: list[IRNode], mesh_2x4: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TypeError is no rejection (a torch upgrade that changed an API would otherwise
+    shrink the search silently): the stage raises, naming the op and the exception."""
+    import torch
+
+    from pipeline.dtensor.torch_compat import StrategyFunctionError, sharding_propagator
+
+    def broken(schema: Any) -> Any:
+        raise TypeError("unexpected keyword argument 'placements'")
+
+    op = torch.ops.aten.unbind.int
+    monkeypatch.setitem(sharding_propagator().op_strategy_funcs, op, broken)
+    with pytest.raises(StrategyFunctionError) as err:
+        _toy_topology(toy_nodes, mesh_2x4)
+    assert "aten.unbind.int" in str(err.value) and "TypeError" in str(err.value)
+    assert isinstance(err.value.__cause__, TypeError)

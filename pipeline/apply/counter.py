@@ -16,9 +16,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+
+from pipeline.dtensor.torch_compat import (
+    HigherOrderOperator,
+    inside_shard_dim_alltoall,
+    op_schema,
+    qualified_op_name,
+)
 
 __all__ = ["COLLECTIVE_KINDS", "CollectiveCounter"]
 
@@ -54,16 +60,16 @@ class CollectiveCounter(CommDebugMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
-        if isinstance(func, torch._ops.HigherOrderOperator):
+        if isinstance(func, HigherOrderOperator):
             return func(*args, **(kwargs or {}))
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor desugar into local ops and collectives
-        packet = func._overloadpacket
+        packet = func.overloadpacket
         if packet not in self.comm_registry:
             # Not a collective: skip CommDebugMode's per-op bookkeeping (its operation
             # lists cost more than the op on these small tensors).
             return func(*args, **(kwargs or {}))
-        name = packet._qualified_op_name.split("::")[-1]
+        name = qualified_op_name(packet).split("::")[-1]
         kind = COLLECTIVE_KINDS.get(name, name)
         if kind == "all_gather" and _inside_cpu_alltoall():
             kind = "all_to_all"
@@ -73,7 +79,7 @@ class CollectiveCounter(CommDebugMode):
 
 
 def _group_name(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str:
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(op_schema(func).arguments):
         if arg.name == "group_name":
             value = kwargs.get("group_name", args[i] if i < len(args) else None)
             return str(value)
@@ -82,12 +88,5 @@ def _group_name(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> st
 
 def _inside_cpu_alltoall() -> bool:
     """Whether DTensor's CPU all-to-all (all-gather + chunk) is on the call stack."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "shard_dim_alltoall" and code.co_filename.endswith(
-                "_collective_utils.py"):
-            return True
-        frame = frame.f_back
-    return False
+    return inside_shard_dim_alltoall(sys._getframe(2))
 

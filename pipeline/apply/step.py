@@ -53,6 +53,7 @@ from pipeline.dtensor.placements import (
     parse_output,
     parse_placements,
 )
+from pipeline.dtensor.torch_compat import local_tensor
 from pipeline.plan.format import Plan, check_graph, check_mesh, check_world_size
 
 __all__ = ["PlacementMismatchError", "StepResult", "distribute_full", "resolve_target",
@@ -110,7 +111,7 @@ def resolve_target(target: str) -> Any:
 
 def _local(t: Any) -> torch.Tensor:
     """The local tensor of a DTensor (an async collective result waited for)."""
-    local = t._local_tensor if isinstance(t, DTensor) else t
+    local = local_tensor(t) if isinstance(t, DTensor) else t
     wait = getattr(local, "trigger_wait", None)
     return wait() if wait is not None else local
 

@@ -34,6 +34,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from pipeline.core.ir import resolve_op
+from pipeline.dtensor.torch_compat import HigherOrderOperator, OpOverload, op_schema
 
 __all__ = [
     "grouped_mm_flops",
@@ -73,17 +74,18 @@ _HALF_DTYPES = frozenset(
 
 
 @functools.lru_cache(maxsize=8192)
-def _is_view_overload(op: torch._ops.OpOverload) -> bool:
+def _is_view_overload(op: OpOverload) -> bool:
     if op.overloadpacket in _NO_KERNEL_PACKETS:
         return True
     tags = set(op.tags)
     if torch.Tag.inplace_view in tags:  # t_, unsqueeze_, as_strided_: metadata-only writes
         return True
-    returns = op._schema.returns
+    schema = op_schema(op)
+    returns = schema.returns
     if not any("Tensor" in str(r.type) for r in returns):
         # sym_size, sym_numel, ...: metadata. Mutating ops without a tensor result
         # (_foreach_add_, ...) do real work.
-        return not op._schema.is_mutable
+        return not schema.is_mutable
     first = returns[0].alias_info
     return first is not None and not first.is_write
 
@@ -106,16 +108,16 @@ def is_view_op(op: Any) -> bool:
         op: ``OpOverload``, ``OpOverloadPacket``, op name string, or an FX target.
     """
     op = resolve_op(op)
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         return _is_view_overload(op)
-    if isinstance(op, torch._ops.HigherOrderOperator):
+    if isinstance(op, HigherOrderOperator):
         return False
     return op is operator.getitem or callable(op)
 
 
 def _packet(op: Any) -> Any:
     op = resolve_op(op)
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, OpOverload):
         return op.overloadpacket
     return op
 
@@ -152,9 +154,9 @@ def _is_tensor_arg(arg: Any) -> bool:
 
 def _raw_args(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[list, dict]:
     """For 'raw' flop formulas (which want tensors): shapes at Tensor schema slots -> meta."""
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         return [_meta_tensor(a) for a in args], dict(kwargs)
-    schema_args = op._schema.arguments
+    schema_args = op_schema(op).arguments
     new_args = [
         _meta_tensor(a) if i < len(schema_args) and _is_tensor_arg(schema_args[i]) else a
         for i, a in enumerate(args)

@@ -68,9 +68,10 @@ def is_fusable_op(target: str) -> bool:
 
     from pipeline.core.ir import resolve_op
     from pipeline.costmodel.compute import is_view_op
+    from pipeline.dtensor.torch_compat import OpOverload
 
     op = resolve_op(target, strict=False)
-    if not isinstance(op, torch._ops.OpOverload) or is_view_op(op):
+    if not isinstance(op, OpOverload) or is_view_op(op):
         return False
     return torch.Tag.pointwise in op.tags
 

@@ -30,8 +30,9 @@ and ``aten._grouped_mm``, whose CPU kernel computes float32 but whose meta kerne
 for bf16 (a bf16 trace executed in float32); the replacement is the stock meta kernel
 run in bf16, its output in the inputs' dtype.
 
-The registration is removed when the block exits (``torch.library.Library`` is
-destroyed), so nothing outlives the caller.
+The registration is removed when the block exits (each ``torch.library.Library`` is
+destroyed, :func:`pipeline.dtensor.torch_compat.impl_library`), so nothing outlives the
+caller.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+from pipeline.dtensor.torch_compat import (
+    decomposition,
+    has_kernel_for_dispatch_key,
+    impl_library,
+    meta_grouped_mm,
+    op_name_parts,
+)
 
 
 def _flash_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -91,8 +100,6 @@ def _histc_meta(input: torch.Tensor, bins: int = 100, min: float = 0, max: float
 
 def _grouped_mm_meta(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: Any = None,
                      bias: Any = None, out_dtype: Any = None) -> torch.Tensor:
-    from torch._meta_registrations import meta_grouped_mm
-
     low = torch.bfloat16
     out = meta_grouped_mm(mat_a.to(low), mat_b.to(low), offs=offs,
                           bias=None if bias is None else bias.to(low), out_dtype=low)
@@ -112,7 +119,7 @@ _DTYPE_GAPS: dict[str, tuple[Any, Any]] = {
 def has_cpu_kernel(op: Any) -> bool:
     """Whether ``op`` (an ``OpOverload``) runs on CPU tensors without help."""
     name = op.name()
-    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in
+    return any(has_kernel_for_dispatch_key(name, key) for key in
                ("CPU", "CompositeImplicitAutograd", "CompositeExplicitAutograd"))
 
 
@@ -131,8 +138,6 @@ def cpu_kernels(ops: Iterable[Any] = ()) -> Iterator[list[str]]:
     decomposition is its CPU kernel), or whose CPU kernel lacks a dtype (``histc`` of
     integers). Yields the names of the ops registered.
     """
-    from torch._decomp import decomposition_table
-
     todo: dict[str, Any] = {}
     for op in list(ops) + [torch.ops.aten._scaled_dot_product_flash_attention.default,
                            torch.ops.aten._scaled_dot_product_flash_attention_backward.default]:
@@ -143,17 +148,17 @@ def cpu_kernels(ops: Iterable[Any] = ()) -> Iterator[list[str]]:
             continue
         if has_cpu_kernel(op):
             continue
-        fn = _FLASH.get(op.name()) or decomposition_table.get(op)
+        fn = _FLASH.get(op.name()) or decomposition(op)
         if fn is not None:
             todo[op.name()] = (op, fn, None)
     libs: dict[str, Any] = {}
-    try:
+    with contextlib.ExitStack() as stack:  # each library's registrations end on exit
         for name, (op, fn, meta) in todo.items():
             ns, _, short = name.partition("::")
             lib = libs.get(ns)
             if lib is None:
-                lib = libs[ns] = torch.library.Library(ns, "IMPL")
-            overload = op._overloadname
+                lib = libs[ns] = stack.enter_context(impl_library(ns))
+            overload = op_name_parts(op)[2]
             with warnings.catch_warnings():  # replacing histc's CPU kernel is intended
                 warnings.filterwarnings("ignore", message="(?s).*Overriding a previously "
                                         "registered kernel", category=UserWarning)
@@ -163,6 +168,3 @@ def cpu_kernels(ops: Iterable[Any] = ()) -> Iterator[list[str]]:
                 if meta is not None:
                     lib.impl(qualified, meta, "Meta")
         yield sorted(todo)
-    finally:
-        for lib in libs.values():
-            lib._destroy()

@@ -22,22 +22,19 @@ import functools
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import (
-    Partial,
-    Placement,
-    Replicate,
-    Shard,
-    _MaskPartial,
-    _StridedShard,
-)
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from pipeline.core.placement_text import ALLOWED as _ALLOWED
 from pipeline.core.placement_text import NON_TENSOR, REDUCE_OPS, Token, split_output, tokenize
-
-try:  # _NormPartial lives with the math-op strategies (partial p-norms).
-    from torch.distributed.tensor._ops._math_ops import _NormPartial
-except ImportError:  # pragma: no cover - older/newer torch without it
-    _NormPartial = None  # type: ignore[assignment,misc]
+from pipeline.dtensor.torch_compat import (
+    C_PARTIAL,
+    C_REPLICATE,
+    C_SHARD,
+    C_STRIDED_SHARD,
+    MaskPartial,
+    NormPartial,
+    StridedShard,
+)
 
 __all__ = [
     "NON_TENSOR",
@@ -50,10 +47,6 @@ __all__ = [
     "parse_placements",
 ]
 
-_C_SHARD = torch._C._distributed.Shard
-_C_STRIDED = torch._C._distributed.StridedShard
-_C_REPLICATE = torch._C._distributed.Replicate
-_C_PARTIAL = torch._C._distributed.Partial
 
 
 # --------------------------------------------------------------------------- format
@@ -72,22 +65,22 @@ def format_placement(p: Placement) -> str:
     Raises:
         ValueError: for a placement type the notation does not know.
     """
-    if _NormPartial is not None and isinstance(p, _NormPartial):
+    if NormPartial is not None and isinstance(p, NormPartial):
         return f"NP({_format_number(p.norm_type)})"
-    if isinstance(p, _MaskPartial):
+    if isinstance(p, MaskPartial):
         parts = [] if p.reduce_op == "sum" else [p.reduce_op]
         parts.append(str(int(p.offset_dim)))
         if p.offset_shape is not None:
             parts.append("x".join(str(int(s)) for s in p.offset_shape))
         return f"MP({','.join(parts)})"
     # The C++ base classes also cover raw torch._C._distributed placements.
-    if isinstance(p, _C_STRIDED):
+    if isinstance(p, C_STRIDED_SHARD):
         return f"SS({int(p.dim)},{int(p.split_factor)})"
-    if isinstance(p, _C_SHARD):
+    if isinstance(p, C_SHARD):
         return f"S({int(p.dim)})"
-    if isinstance(p, _C_REPLICATE):
+    if isinstance(p, C_REPLICATE):
         return "R"
-    if isinstance(p, _C_PARTIAL):
+    if isinstance(p, C_PARTIAL):
         return "P" if p.reduce_op == "sum" else f"P({p.reduce_op})"
     raise ValueError(f"cannot format placement {p!r}: {_ALLOWED}")
 
@@ -144,17 +137,17 @@ def _placement(tok: Token, text: str) -> Placement:
     if tok.kind == "R":
         return Replicate()
     if tok.kind == "SS":
-        return _StridedShard(tok.dim, split_factor=tok.split)
+        return StridedShard(tok.dim, split_factor=tok.split)
     if tok.kind == "S":
         return Shard(tok.dim)
     if tok.kind == "MP":
         shape = None if tok.offset_shape is None else torch.Size(tok.offset_shape)
-        return _MaskPartial(reduce_op=tok.op, offset_shape=shape, offset_dim=tok.dim)
+        return MaskPartial(reduce_op=tok.op, offset_shape=shape, offset_dim=tok.dim)
     if tok.kind == "NP":
-        if _NormPartial is None:  # pragma: no cover
+        if NormPartial is None:  # pragma: no cover
             raise ValueError(f"invalid placement {text!r}: _NormPartial is not available in "
                              f"this torch; {_ALLOWED}")
-        return _NormPartial(norm_type=tok.norm)
+        return NormPartial(norm_type=tok.norm)
     return Partial(tok.op)
 
 

@@ -94,19 +94,21 @@ def aliases_first_input(target: str) -> bool:
     if target in ("placeholder", "output", "getitem"):
         return False
     from pipeline.core.ir import resolve_op
+    from pipeline.dtensor.torch_compat import OpOverload, op_schema
 
     op = resolve_op(target, strict=False)
-    if op is None or not hasattr(op, "_schema"):
+    if not isinstance(op, OpOverload):
         return False
-    if op._schema.name == "aten::_unsafe_view":
+    schema = op_schema(op)
+    if schema.name == "aten::_unsafe_view":
         return True
-    returns = op._schema.returns
+    returns = schema.returns
     if not returns:
         return False
     info = returns[0].alias_info
     if info is None or info.is_write:
         return False
-    args = [a for a in op._schema.arguments if a.alias_info is not None]
+    args = [a for a in schema.arguments if a.alias_info is not None]
     return bool(args) and not any(a.alias_info.is_write for a in args)
 
 

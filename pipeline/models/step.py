@@ -62,7 +62,8 @@ def training_step(built: Any) -> Iterator[tuple[Any, dict[str, str]]]:
         return
     import torch
     import torch.fx.traceback as fxt
-    from torch.nn.utils.stateless import _reparametrize_module
+
+    from pipeline.dtensor.torch_compat import reparametrize_module
 
     removed = []
     for alias in aliases:
@@ -82,7 +83,7 @@ def training_step(built: Any) -> Iterator[tuple[Any, dict[str, str]]]:
             swapped[name] = p
         for alias, canonical in aliases.items():
             swapped[alias] = swapped[canonical]
-        with _reparametrize_module(module, swapped, strict=False):
+        with reparametrize_module(module, swapped, strict=False):
             if step is None:
                 return original_forward(*inputs)
             return step(original_forward, *inputs)

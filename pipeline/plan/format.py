@@ -416,7 +416,7 @@ def placement_problem(text: str, shape: Sequence[int] | None, mesh_shape: Sequen
         return str(err)
     counts: dict[int, int] = {}
     for md, pl in enumerate(pls):
-        if pl.is_partial() or type(pl).__name__ in ("_MaskPartial", "_NormPartial"):
+        if pl.is_partial():  # DTensor's masked and norm partials too (Partial subclasses)
             if not partial_ok:
                 return (f"mesh dim {md} is Partial; allowed R or S(d) for parameters, "
                         "buffers and inputs")

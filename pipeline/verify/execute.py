@@ -224,8 +224,10 @@ def worker(rank: int, job: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
+    from pipeline.dtensor.torch_compat import NOISY_LOGGERS
+
     torch.set_num_threads(1)
-    for name in ("torch.distributed.tensor._redistribute", "torch._logging._internal"):
+    for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     if dist.is_initialized():  # a fake process group inherited from the parent (fork)
         dist.destroy_process_group()

@@ -26,6 +26,13 @@ from torch.distributed.tensor.placement_types import Partial, Placement
 
 from pipeline.costmodel.redistribute.interner import PlacementInterner
 from pipeline.costmodel.redistribute.steps import C_MP, C_P, C_R, C_S, category
+from pipeline.dtensor.torch_compat import (
+    MeshTopoInfo,
+    StridedShardNotDecodableError,
+    default_shard_order,
+    normalize_strided_shard_order,
+    placement_transition_cost,
+)
 
 __all__ = ["DTENSOR_PLAN_ERRORS", "GraphContext", "GraphSearch", "graph_state",
            "graph_transforms"]
@@ -54,17 +61,15 @@ def graph_state(
     cache = interner.graph_states
     if key in cache:
         return cache[key]
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec, _StridedShardNotDecodableError
-
     mesh = interner.planning_mesh(mesh_shape)
     out: tuple[GraphState, tuple[Placement, ...]] | None
     if any(category(p) == "SS" for p in placements):
         try:
-            norm, order = DTensorSpec._normalize_placements_into_shard_order(placements, mesh, True)
-        except _StridedShardNotDecodableError:
+            norm, order = normalize_strided_shard_order(placements, mesh)
+        except StridedShardNotDecodableError:
             norm = None
     else:
-        norm, order = placements, DTensorSpec.compute_default_shard_order(placements)
+        norm, order = placements, default_shard_order(placements)
     if norm is None:
         out = None
     else:
@@ -84,8 +89,6 @@ class GraphContext:
 
     def __init__(self, interner: PlacementInterner, mesh_shape: tuple[int, ...], ndim: int,
                  numel: int) -> None:
-        from torch.distributed.tensor._collective_utils import MeshTopoInfo
-
         self.interner = interner
         self.mesh_shape = mesh_shape
         self.ndim = ndim
@@ -97,10 +100,6 @@ class GraphContext:
 
     def cost(self, pl: tuple[int, ...], m: int, new: int) -> float:
         """DTensor's ``one_step_redistribute_cost`` of moving mesh dim ``m`` to ``new``."""
-        from torch.distributed.tensor._collective_utils import (
-            _compute_placement_transition_cost,
-        )
-
         dims = self.interner.dims
         num_shards = 1
         for i, p in enumerate(pl):
@@ -111,9 +110,9 @@ class GraphContext:
         if c is None:
             gb = self.nbytes / num_shards / 1024 / 1024 / 1024
             objs = self.interner.objs
-            c = self.costs[key] = _compute_placement_transition_cost(
+            c = self.costs[key] = placement_transition_cost(
                 objs[pl[m]], objs[new], self.topo, m, gb
-            )[0]
+            )
         return c
 
     def next_states(self, state: GraphState, ops: tuple[str, ...]) -> list:

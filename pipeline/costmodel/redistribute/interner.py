@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from pipeline.costmodel.redistribute.steps import (
     CATEGORY_CODE,
@@ -49,6 +49,7 @@ from pipeline.costmodel.redistribute.steps import (
     is_shard_like,
     partial_key,
 )
+from pipeline.dtensor.torch_compat import StridedShard
 
 __all__ = ["DEFAULT_INTERNER", "PidArrays", "PlacementInterner", "clear_caches",
            "normalize_placements"]
@@ -105,7 +106,7 @@ class PlacementInterner:
         if c == "MP":
             return self.canon_masks.setdefault(partial_key(p), p)
         if ndim is not None and c == "SS" and p.dim < 0:
-            return _StridedShard(p.dim + ndim, split_factor=p.split_factor)
+            return StridedShard(p.dim + ndim, split_factor=p.split_factor)
         if ndim is not None and c == "S" and p.dim < 0:
             return Shard(p.dim + ndim)
         return p

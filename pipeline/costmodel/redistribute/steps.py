@@ -52,14 +52,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
-from torch.distributed.tensor.placement_types import (
-    Partial,
-    Placement,
-    Replicate,
-    Shard,
-    _MaskPartial,
-    _StridedShard,
-)
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from pipeline.costmodel.comm import (
     MeshCollectiveParams,
@@ -67,6 +60,7 @@ from pipeline.costmodel.comm import (
     mesh_collectives_us,
 )
 from pipeline.costmodel.hardware import COLLECTIVES
+from pipeline.dtensor.torch_compat import MaskPartial, StridedShard
 
 __all__ = [
     "KINDS",
@@ -110,7 +104,7 @@ CATEGORY_CODE: types.MappingProxyType = types.MappingProxyType(
     {"R": C_R, "S": C_S, "SS": C_SS, "P": C_P, "MP": C_MP}
 )
 _CATEGORY: types.MappingProxyType = types.MappingProxyType(
-    {Replicate: "R", Shard: "S", _StridedShard: "SS", Partial: "P", _MaskPartial: "MP"}
+    {Replicate: "R", Shard: "S", StridedShard: "SS", Partial: "P", MaskPartial: "MP"}
 )
 
 
@@ -123,9 +117,9 @@ def category(p: Placement) -> str:
     c = _CATEGORY.get(type(p))
     if c is not None:
         return c
-    if isinstance(p, _MaskPartial):
+    if isinstance(p, MaskPartial):
         return "MP"
-    if isinstance(p, _StridedShard):
+    if isinstance(p, StridedShard):
         return "SS"
     if isinstance(p, Shard):
         return "S"
@@ -146,7 +140,7 @@ def is_partial(p: Placement) -> bool:
     return category(p) in ("P", "MP")
 
 
-def partial_key(p: _MaskPartial) -> tuple:
+def partial_key(p: MaskPartial) -> tuple:
     """Value identity of a ``_MaskPartial`` (its own equality uses its buffer's id)."""
     shape = None if p.offset_shape is None else tuple(int(s) for s in p.offset_shape)
     return ("mask", p.reduce_op, shape, int(p.offset_dim))

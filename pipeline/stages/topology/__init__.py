@@ -8,23 +8,25 @@ an MRF.
 
 One job per module:
 
-==============  ================================================================
-module          job
-==============  ================================================================
-``strategies``  DTensor strategy enumeration per node signature
-``problem``     the problem nodes (graph nodes and output sinks), strategy lists
-                shared between them, edges
-``groups``      fwd/bwd twins and the copies of repeated layers (structural hash)
-``pins``        ``constraints.inputs`` / ``outputs`` / ``nodes`` applied to groups
-``artifacts``   ``nodes.parquet``, ``strategies.parquet``, ``edges.parquet``,
-                ``topology.json``: written and read back
-``stage``       :func:`build_topology` (the steps in order) and :func:`run_topology`
-==============  ================================================================
+====================  ======================================================================
+module                job
+====================  ======================================================================
+``candidates``        :class:`StrategyList`; the shardable placements of one tensor
+``strategies``        DTensor strategy enumeration per node signature, rejections counted
+``extra_strategies``  strategies DTensor lacks: context-parallel attention, vocab-parallel
+                      cross-entropy
+``portable``          strategy lists on their way back from a worker process
+``problem``           the problem nodes (graph nodes and output sinks), strategy lists
+                      shared between them, edges
+``groups``            fwd/bwd twins and the copies of repeated layers (structural hash)
+``pins``              ``constraints.inputs`` / ``outputs`` / ``nodes`` applied to groups
+``artifacts``         ``nodes.parquet``, ``strategies.parquet``, ``edges.parquet``,
+                      ``topology.json``: written and read back
+``stage``             :func:`build_topology` (the steps in order) and :func:`run_topology`
+====================  ======================================================================
 
-The graph IR (``graph.parquet``) is read back as :class:`~pipeline.core.ir.IRNode`\\ s by
-:mod:`pipeline.core.ir`, which also holds its JSON conventions; ``IRNode``,
-``load_nodes`` and ``read_nodes`` are re-exported here as the input of
-:func:`build_topology`.
+The graph IR (``graph.parquet`` read back as :class:`IRNode`\\ s, and its JSON conventions)
+is :mod:`pipeline.core.ir`.
 """
 
 from pipeline.core.ir import IRNode, load_nodes, read_nodes
@@ -37,16 +39,12 @@ from pipeline.stages.topology.artifacts import (
     read_topology,
     write_topology,
 )
+from pipeline.stages.topology.candidates import StrategyList, candidate_placements, shardable
 from pipeline.stages.topology.groups import repeated_layers, structural_hashes
 from pipeline.stages.topology.pins import find_logits
 from pipeline.stages.topology.problem import ProblemNode, StrategyTable, Topology, TopologyError
 from pipeline.stages.topology.stage import build_topology, device_mesh, run_topology
-from pipeline.stages.topology.strategies import (
-    StrategyEnumerator,
-    StrategyList,
-    candidate_placements,
-    shardable,
-)
+from pipeline.stages.topology.strategies import StrategyEnumerator
 
 __all__ = [
     "EDGES_FILE",

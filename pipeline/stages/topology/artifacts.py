@@ -9,8 +9,10 @@ In the stage directory:
 * ``strategies.parquet``: one row per strategy of each distinct strategy list
   (``slist``, ``strategy``, ``output`` placement text, ``inputs`` texts);
 * ``edges.parquet``: ``producer, element, consumer, arg`` per tensor argument use;
-* ``topology.json``: counts, fallback ops, applied pins, the repeated layers
-  (key ``repeated_blocks``), timings; written last, the stage's sentinel.
+* ``topology.json``: counts, fallback ops, the strategy-function calls DTensor
+  refused per op (``strategy_rejections``, absent in older files: read it with
+  ``.get``), applied pins, the repeated layers (key ``repeated_blocks``), timings;
+  written last, the stage's sentinel.
 
 The cost stage reads them with :func:`read_topology` (plain Python / numpy, no
 DTensor objects).
@@ -122,7 +124,8 @@ def _summary(topo: Topology, meta: dict[str, Any]) -> dict[str, Any]:
             "strategies": sum(len(lists[m.strategy_list]) for m in nodes),
             "group_strategies": sum(len(lists[nodes[g[0]].strategy_list]) for g in topo.groups),
             "fallback_nodes": sum(topo.fallback_ops.values())},
-        "fallback_ops": topo.fallback_ops, "pins": topo.pins,
+        "fallback_ops": topo.fallback_ops, "strategy_rejections": topo.strategy_rejections,
+        "pins": topo.pins,
         "repeated_blocks": topo.repeated_layers, "seconds": topo.seconds})
     return summary
 

@@ -69,7 +69,7 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
-from pipeline.stages.topology.strategies import StrategyList
+from pipeline.stages.topology.candidates import StrategyList
 
 #: One single-mesh-dim rule: (placement per output element, None for a non-tensor
 #: element, :data:`KEEP` for an element left as DTensor's strategy has it; placement

@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 from pipeline.core.ir import IRNode, graph_outputs, is_tensor_ref
 from pipeline.core.recipes import recipe_dim_roles
 from pipeline.dtensor.placements import format_placements, parse_placements
+from pipeline.stages.topology.candidates import StrategyList
 from pipeline.stages.topology.groups import Grouping
 from pipeline.stages.topology.problem import (
     ProblemNode,
@@ -58,7 +59,6 @@ from pipeline.stages.topology.problem import (
     TopologyError,
     problem_id_of,
 )
-from pipeline.stages.topology.strategies import StrategyList
 
 #: Ops a weight passes through on its way to the op that computes with it.
 _WEIGHT_PATH_OPS = frozenset({

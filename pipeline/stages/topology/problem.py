@@ -1,7 +1,7 @@
 """The placement problem before costs: its nodes, strategy lists, edges and groups.
 
 A :class:`ProblemNode` is one node of the placement problem: a graph node (in graph
-order) or an output sink. Its domain is a :class:`~pipeline.stages.topology.strategies.StrategyList`
+order) or an output sink. Its domain is a :class:`~pipeline.stages.topology.candidates.StrategyList`
 held once in a :class:`StrategyTable` (the copies of a repeated layer share theirs).
 Besides the ops (pipeline/stages/topology/strategies.py):
 
@@ -22,14 +22,15 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.core import progress
 from pipeline.core.errors import PlanError
 from pipeline.core.ir import IRNode, graph_outputs, is_tensor_ref, output_meta
 from pipeline.dtensor.placements import local_shape
-from pipeline.stages.topology.strategies import StrategyEnumerator, StrategyList
+from pipeline.stages.topology.candidates import StrategyList
+from pipeline.stages.topology.strategies import StrategyEnumerator
 
 
 class TopologyError(PlanError):
@@ -75,6 +76,8 @@ class Topology:
         pins: applied pins ``{node name: placement text}``.
         repeated_layers: per repeated layer, its copies and how many pairs were tied.
         seconds: phase timings.
+        strategy_rejections: per op, the strategy-function calls DTensor refused
+            (:meth:`StrategyEnumerator.rejections`).
     """
 
     mesh_shape: tuple[int, ...]
@@ -88,6 +91,7 @@ class Topology:
     pins: dict[str, str]
     repeated_layers: list[dict]
     seconds: dict[str, float]
+    strategy_rejections: dict[str, int] = field(default_factory=dict)
 
 
 class StrategyTable:

@@ -61,7 +61,8 @@ def build_topology(nodes: list[IRNode], mesh: Any, mesh_shape: tuple[int, ...],
         groups=grouping.groups, fallback_ops=fallback_ops, pins=pins,
         repeated_layers=grouping.repeated_layers,
         seconds={"strategies": strategies_seconds, "total": time.perf_counter() - start,
-                 "dtensor_enumeration": enumerator.seconds})
+                 "dtensor_enumeration": enumerator.seconds},
+        strategy_rejections=enumerator.rejections())
 
 
 def device_mesh(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...]) -> Any:

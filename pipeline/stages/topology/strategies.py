@@ -12,7 +12,10 @@ expected placement of each tensor argument:
 * ops with a full strategy function (``op_strategy_funcs``: views, softmax,
   SDPA, ...) are called once with an ``OpStrategy`` per tensor argument that
   holds *every* candidate placement of that argument, so the function returns
-  one ``OpSpec`` per reachable (output, expected inputs) combination.
+  one ``OpSpec`` per reachable (output, expected inputs) combination. DTensor rejects
+  input placements by raising: only the exceptions it uses for that count as a
+  rejection (counted per op, ``strategy_rejections`` in ``topology.json``); any other
+  is an error naming the op (pipeline/dtensor/torch_compat.py).
 * a genuine op without any DTensor strategy falls back to all-Replicate
   (:meth:`StrategyEnumerator.op_strategies` marks the list ``fallback``).
 * the SDPA flash-attention ops and the cross-entropy ops (``_log_softmax``,
@@ -21,21 +24,18 @@ expected placement of each tensor argument:
   (pipeline/stages/topology/extra_strategies.py).
 
 Placeholders, ``getitem`` and output sinks get their lists in
-pipeline/stages/topology/problem.py.
-
-A placement is dropped when a tensor dim is smaller than the product of the
-mesh dims sharding it (DTensor's ``is_tensor_shardable``).
+pipeline/stages/topology/problem.py; :class:`StrategyList` and the candidate placements
+of a tensor (shardable ones only) are in pipeline/stages/topology/candidates.py, the
+transport of the lists from worker processes in pipeline/stages/topology/portable.py.
+DTensor's internals are reached through pipeline/dtensor/torch_compat.py.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from pipeline.core.ir import (
@@ -47,78 +47,31 @@ from pipeline.core.ir import (
     resolve_op,
     tensor_refs,
 )
+from pipeline.dtensor.torch_compat import (
+    DTensorSpec,
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    ShardingPlaceholder,
+    StrategyFunctionError,
+    TupleStrategy,
+    op_schema_info,
+    op_strategy_func,
+    single_dim_strategy_func,
+    strategy_rejection,
+    zero_redistribute_costs,
+)
+from pipeline.stages.topology.candidates import (
+    StrategyList,
+    candidate_placements,
+    is_floating,
+    shardable,
+    tensor_meta,
+)
+from pipeline.stages.topology.extra_strategies import with_extra_strategies
+from pipeline.stages.topology.portable import portable, restored
 
-_FLOATING = ("float32", "bfloat16", "float16", "float64")
-
-
-def _is_floating(meta: dict) -> bool:
-    """Floating tensors may be Partial; integer ones (indices, masks) may not."""
-    return meta["dtype"] in _FLOATING
-
-
-def _tensor_meta(meta: dict | None) -> Any:
-    """DTensor's ``TensorMeta`` of an IR tensor description (None stays None)."""
-    import torch
-    from torch.distributed.tensor._dtensor_spec import TensorMeta
-
-    if meta is None:
-        return None
-    return TensorMeta(torch.Size(meta["shape"]), tuple(meta["stride"]),
-                      getattr(torch, meta["dtype"]))
-
-
-def candidate_placements(shape: list[int], mesh_shape: tuple[int, ...],
-                         partial: bool) -> list[tuple]:
-    """Every placement of a tensor of ``shape`` on the mesh, one token per mesh dim.
-
-    Per mesh dim: Replicate, Shard(d) for each tensor dim, and Partial(sum) if
-    ``partial``. Placements where a tensor dim is smaller than the product of
-    the mesh sizes sharding it are dropped. Order: itertools.product over mesh
-    dims of (R, S(0), ..., S(r-1), P) - deterministic.
-    """
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    opts: list = [Replicate()] + [Shard(d) for d in range(len(shape))]
-    if partial:
-        opts.append(Partial())
-    out = []
-    for combo in itertools.product(opts, repeat=len(mesh_shape)):
-        if shardable(shape, combo, mesh_shape):
-            out.append(tuple(combo))
-    return out
-
-
-def shardable(shape: list[int] | tuple[int, ...], placements: tuple,
-              mesh_shape: tuple[int, ...]) -> bool:
-    """True when every sharded tensor dim is at least as large as its shard count."""
-    counts: dict[int, int] = {}
-    for mdim, p in enumerate(placements):
-        d = getattr(p, "dim", None)
-        if d is None or not p.is_shard():
-            continue
-        d = d % max(len(shape), 1)
-        counts[d] = counts.get(d, 1) * mesh_shape[mdim]
-    return all(d < len(shape) and shape[d] >= c for d, c in counts.items())
-
-
-@dataclass(frozen=True)
-class StrategyList:
-    """The strategies of one node signature.
-
-    Attributes:
-        outputs: per strategy the output placement; for a tuple-returning op a
-            tuple with one placement (or None) per element.
-        inputs: per strategy the expected placement of each tensor argument
-            (flattened args then kwargs order).
-        fallback: True when the op had no DTensor strategy (replicate-only).
-    """
-
-    outputs: tuple
-    inputs: tuple
-    fallback: bool = False
-
-    def __len__(self) -> int:
-        return len(self.outputs)
+__all__ = ["StrategyEnumerator", "StrategyList", "candidate_placements", "shardable"]
 
 
 class StrategyEnumerator:
@@ -127,15 +80,17 @@ class StrategyEnumerator:
     The memo key is the node's op, its argument structure with each tensor
     replaced by (shape, dtype, stride), its constant arguments and output
     metadata - so the copies of a repeated layer cost one enumeration.
+
+    ``rejected`` counts, per memo key, the strategy-function calls DTensor refused
+    (:meth:`_full`); :meth:`rejections` sums them per op.
     """
 
     def __init__(self, mesh: Any, mesh_shape: tuple[int, ...]):
-        from torch.distributed.tensor import DTensor
-
         self.mesh = mesh
         self.mesh_shape = mesh_shape
-        self.propagator = DTensor._op_dispatcher.sharding_propagator
         self.cache: dict[str, StrategyList] = {}
+        # memo key -> (op name, strategy-function calls DTensor refused)
+        self.rejected: dict[str, tuple[str, int]] = {}
         # Cheap first-level memo: (op, argument texts with references blanked, output
         # text, identities of the argument metadata) -> (StrategyList, the metadata,
         # kept alive so their ids stay unique).
@@ -143,6 +98,16 @@ class StrategyEnumerator:
         self.placeholder_cache: dict[tuple, list[tuple]] = {}
         self.shardable_cache: dict[tuple, bool] = {}
         self.seconds = 0.0
+
+    def rejections(self) -> dict[str, int]:
+        """Strategy-function calls DTensor refused (a rejected candidate placement), per
+        op name, summed over the op's distinct signatures (each enumerated once), ops
+        without any left out; sorted by op name."""
+        out: dict[str, int] = {}
+        for target, count in self.rejected.values():
+            if count:
+                out[target] = out.get(target, 0) + count
+        return dict(sorted(out.items()))
 
     def placements_of(self, shape: list[int], partial: bool) -> list[tuple]:
         key = (tuple(shape), partial)
@@ -175,23 +140,26 @@ class StrategyEnumerator:
         items = list(todo.values())
         start, before = time.perf_counter(), self.seconds
 
-        def enumerate_chunk(chunk: tuple[int, range]) -> list[tuple[str, Any]]:
+        def enumerate_chunk(chunk: tuple[int, range]) -> list[tuple[str, Any, Any]]:
             worker, indices = chunk
-            out: list[tuple[str, Any]] = []
+            out: list[tuple[str, Any, Any]] = []
             buffers: dict[int, int] = {}
             for k in indices:
                 node, metas = items[k]
                 strategies = self.op_strategies(node, metas)
+                key = _signature(node, metas)
                 # a worker's lists are pickled on the way back: _MaskPartial as fields
-                out.append((_signature(node, metas),
-                            _portable(strategies, buffers) if worker else strategies))
+                out.append((key, portable(strategies, buffers) if worker else strategies,
+                            self.rejected.get(key)))
             return out
 
         chunks = [(w, range(w, len(items), workers)) for w in range(workers)]
         for part in map_chunks(enumerate_chunk, chunks)[1:]:  # the first chunk ran here
             buffers: dict[int, Any] = {}
-            for key, strategies in part:
-                self.cache[key] = _restored(strategies, buffers)
+            for key, strategies, rejected in part:
+                self.cache[key] = restored(strategies, buffers)
+                if rejected is not None:
+                    self.rejected[key] = rejected
         self.seconds = before + time.perf_counter() - start
 
     def op_strategies(self, node: IRNode, metas: list[dict]) -> StrategyList:
@@ -217,18 +185,17 @@ class StrategyEnumerator:
         op = resolve_op(node.target, strict=False)
         result = None
         if op is not None:
-            with _without_dtensor_costs():
-                if op in self.propagator.op_single_dim_strategy_funcs:
-                    result = self._single_dim(op, node, metas)
-                elif op in self.propagator.op_strategy_funcs:
-                    result = self._full(op, node, metas)
+            with zero_redistribute_costs():
+                single_dim, full = single_dim_strategy_func(op), op_strategy_func(op)
+                if single_dim is not None:
+                    result = self._single_dim(op, single_dim, node, metas)
+                elif full is not None:
+                    result = self._full(op, full, node, metas, key)
         if result is None or len(result) == 0:
             result = self._replicate_only(node, metas)
         else:
             # context-parallel attention, vocab-parallel cross-entropy
             # (pipeline/stages/topology/extra_strategies.py)
-            from pipeline.stages.topology.extra_strategies import with_extra_strategies
-
             result = with_extra_strategies(result, node.target, node.args, metas,
                                            node.outputs, node.tuple_output,
                                            len(self.mesh_shape), self._shardable)
@@ -241,19 +208,16 @@ class StrategyEnumerator:
     # -- helpers ---------------------------------------------------------------------------
 
     def _spec(self, placements: tuple, meta: dict) -> Any:
-        from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
-        return DTensorSpec(self.mesh, placements, tensor_meta=_tensor_meta(meta))
+        return DTensorSpec(self.mesh, placements, tensor_meta=tensor_meta(meta))
 
     def _out_meta(self, node: IRNode) -> Any:
         if node.tuple_output:
-            return tuple(_tensor_meta(m) for m in node.outputs)
-        return _tensor_meta(node.outputs[0])
+            return tuple(tensor_meta(m) for m in node.outputs)
+        return tensor_meta(node.outputs[0])
 
     def _schema(self, op: Any, node: IRNode, metas: list[dict], all_placements: bool,
                 pick: dict[int, tuple] | None = None) -> Any:
         from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 
         counter = itertools.count()
 
@@ -264,7 +228,7 @@ class StrategyEnumerator:
                 if pick is not None and k in pick:
                     placements = [pick[k]]
                 elif all_placements:
-                    placements = self.placements_of(meta["shape"], partial=_is_floating(meta))
+                    placements = self.placements_of(meta["shape"], partial=is_floating(meta))
                 else:
                     placements = [(Replicate(),) * len(self.mesh_shape)]
                 return OpStrategy([OpSpec(self._spec(p, meta)) for p in placements])
@@ -277,23 +241,28 @@ class StrategyEnumerator:
 
         args = tuple(build(a) for a in node.args)
         kwargs = {k: build(v) for k, v in node.kwargs.items()}
-        return OpSchema(op, args, kwargs, schema_info=self.propagator.op_to_schema_info.get(op))
+        return OpSchema(op, args, kwargs, schema_info=op_schema_info(op))
 
-    def _single_dim(self, op: Any, node: IRNode, metas: list[dict]) -> StrategyList | None:
+    def _single_dim(self, op: Any, func: Any, node: IRNode, metas: list[dict]
+                    ) -> StrategyList | None:
+        """DTensor's single-mesh-dim rules of ``op`` (``func``, called once with every
+        argument Replicate), expanded to the mesh (:meth:`_expand`). Any exception the
+        function raises is a :class:`StrategyFunctionError`: it rejects nothing here."""
         from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
         from torch.distributed.tensor.placement_types import Shard
 
-        info = self.propagator.op_single_dim_strategy_funcs[op]
         schema = self._schema(op, node, metas, all_placements=False)
-        rules = info.func(op, schema.args_meta, schema.kwargs_meta)
+        try:
+            rules = func(op, schema.args_meta, schema.kwargs_meta)
+        except Exception as err:  # noqa: BLE001 - re-raised, typed, naming the op
+            raise StrategyFunctionError.of(op, err) from err
         n_in = len(metas)
         if not rules:
             return None
         n_out = len(rules[0]) - n_in
         filled = []
         for rule in rules:
-            filled.append([Shard(p.dim) if isinstance(p, _ShardingPlaceholder) else p
+            filled.append([Shard(p.dim) if isinstance(p, ShardingPlaceholder) else p
                            for p in rule])
         out_meta = self._out_meta(node)
         replicate = [Replicate()] * (n_out + n_in)
@@ -359,8 +328,10 @@ class StrategyEnumerator:
             hit = self.shardable_cache[key] = shardable(shape, pl, self.mesh_shape)
         return hit
 
-    def _full(self, op: Any, node: IRNode, metas: list[dict]) -> StrategyList | None:
-        """Call the op's full strategy function with every candidate input placement.
+    def _full(self, op: Any, func: Any, node: IRNode, metas: list[dict], key: str
+              ) -> StrategyList | None:
+        """Call the op's full strategy function ``func`` with every candidate input
+        placement.
 
         Some strategy functions reject particular input placements by raising
         (e.g. a view that cannot unflatten an unevenly sharded dim), or expect
@@ -376,45 +347,60 @@ class StrategyEnumerator:
         gives exactly one OpSpec, the function is also called once per candidate
         placement (given to every tensor input of the first input's rank) and the
         union is kept.
-        """
-        from torch.distributed.tensor._op_schema import OpStrategy, TupleStrategy
 
-        func = self.propagator.op_strategy_funcs[op]
+        A rejection is an exception raised the way DTensor rejects placements
+        (:data:`~pipeline.dtensor.torch_compat.STRATEGY_REJECTIONS`: its type and the
+        DTensor module raising it; the ``IndexError`` of the zipping functions in the
+        all-candidate call only); each is counted in ``rejected[key]``. Any other
+        exception raises a :class:`~pipeline.dtensor.torch_compat.StrategyFunctionError`
+        naming the op.
+        """
+        refused = 0
+        rejected = object()  # what call() answers for a rejection
+
+        def call(schema: Any, every_candidate: bool) -> Any:
+            nonlocal refused
+            try:
+                return func(schema)
+            except Exception as err:  # noqa: BLE001 - a rejection, else re-raised typed
+                if not strategy_rejection(err, every_candidate):
+                    raise StrategyFunctionError.of(op, err) from err
+            refused += 1
+            return rejected
 
         def call_each(picks: Iterator[dict[int, tuple]]) -> list:
             found = []
             for pick in picks:
                 schema = self._schema(op, node, metas, all_placements=False, pick=pick)
-                try:
-                    found.append(func(schema))
-                except Exception:  # noqa: BLE001 - see above
-                    continue
+                strat = call(schema, every_candidate=False)
+                if strat is not rejected:
+                    found.append(strat)
             return found
 
         def one_arg_at_a_time() -> Iterator[dict[int, tuple]]:
             for k, meta in enumerate(metas):
-                for cand in self.placements_of(meta["shape"], partial=_is_floating(meta)):
+                for cand in self.placements_of(meta["shape"], partial=is_floating(meta)):
                     yield {k: cand}
 
         def same_rank_together() -> Iterator[dict[int, tuple]]:
             rank = len(metas[0]["shape"])
             same = [k for k, m in enumerate(metas) if len(m["shape"]) == rank]
-            for cand in self.placements_of(metas[0]["shape"], partial=_is_floating(metas[0])):
+            for cand in self.placements_of(metas[0]["shape"], partial=is_floating(metas[0])):
                 yield {k: cand for k in same}
 
-        try:
-            schema = self._schema(op, node, metas, all_placements=True)
-            strats = [func(schema)]
-        except Exception:  # noqa: BLE001 - DTensor signals rejected placements by raising
+        every = call(self._schema(op, node, metas, all_placements=True), every_candidate=True)
+        if every is rejected:
             strats = call_each(one_arg_at_a_time())
         else:
-            if (len(strats) == 1 and isinstance(strats[0], OpStrategy)
-                    and len(strats[0].strategies) == 1 and len(metas) > 0):
+            strats = [every]
+            if (isinstance(every, OpStrategy) and len(every.strategies) == 1
+                    and len(metas) > 0):
                 # A "follow" strategy (cat, stack, ...): DTensor derives ONE strategy
                 # from the inputs' current placements, so offered every candidate at
                 # once it answers for one of them only. Ask once per candidate,
                 # given to every input of the first input's rank, and keep the union.
                 strats += call_each(same_rank_together())
+        self.rejected[key] = (node.target, refused)
         specs: list = []
         for strat in strats:
             if isinstance(strat, OpStrategy):
@@ -503,92 +489,6 @@ def _reachable(outs: list, ins: list) -> StrategyList:
     if len(keep) == len(ins):
         return StrategyList(tuple(outs), tuple(ins))
     return StrategyList(tuple(outs[k] for k in keep), tuple(ins[k] for k in keep))
-
-
-@contextlib.contextmanager
-def _without_dtensor_costs() -> Iterator[None]:
-    """Skip DTensor's redistribute-cost rows while enumerating strategies.
-
-    Strategy functions fill ``OpSpec.redistribute_cost`` by calling
-    ``generate_redistribute_costs`` for every (candidate input, strategy) pair -
-    quadratic in the candidates and >95% of enumeration time. This project
-    costs redistributions with its own model (pipeline/costmodel), so inside
-    this context the helper returns zeros. The set of strategies is unchanged.
-    """
-    from torch.distributed.tensor._ops import utils as ops_utils
-
-    original = ops_utils.generate_redistribute_costs
-
-    def zeros(src_strategy: Any, dst_spec: Any) -> list[float]:
-        return [0.0] * len(src_strategy.strategies)
-
-    patched = [m for name, m in list(sys.modules.items())
-               if name.startswith("torch.distributed.tensor") and m is not None
-               and getattr(m, "generate_redistribute_costs", None) is original]
-    for m in patched:
-        m.generate_redistribute_costs = zeros
-    try:
-        yield
-    finally:
-        for m in patched:
-            m.generate_redistribute_costs = original
-
-
-@dataclass(frozen=True)
-class _PortableMask:
-    """A ``_MaskPartial`` on its way from a worker process: pickling the placement keeps
-    neither its mask buffer nor its offset (its C++ base class pickles only the reduce
-    op), so it travels as its fields, the buffer as a number that is the same for the
-    placements that shared one."""
-
-    reduce_op: str
-    offset_shape: tuple[int, ...] | None
-    offset_dim: int
-    buffer: int
-
-
-def _map_leaves(obj: Any, leaf: Any) -> Any:
-    """``obj`` (a StrategyList, nested tuples / lists of placements) with ``leaf`` applied
-    to every element that is none of those."""
-    if isinstance(obj, StrategyList):
-        return StrategyList(_map_leaves(obj.outputs, leaf), _map_leaves(obj.inputs, leaf),
-                            obj.fallback)
-    if isinstance(obj, tuple):
-        return tuple(_map_leaves(x, leaf) for x in obj)
-    if isinstance(obj, list):
-        return [_map_leaves(x, leaf) for x in obj]
-    return leaf(obj)
-
-
-def _portable(obj: Any, buffers: dict[int, int]) -> Any:
-    """``obj`` (a StrategyList, tuples, placements) with every ``_MaskPartial`` as a
-    :class:`_PortableMask` (``buffers``: ``id`` of a mask buffer -> its number)."""
-    from torch.distributed.tensor.placement_types import _MaskPartial
-
-    def leaf(p: Any) -> Any:
-        if not isinstance(p, _MaskPartial):
-            return p
-        shape = None if p.offset_shape is None else tuple(int(s) for s in p.offset_shape)
-        number = buffers.setdefault(id(p.mask_buffer), len(buffers))
-        return _PortableMask(p.reduce_op, shape, int(p.offset_dim), number)
-
-    return _map_leaves(obj, leaf)
-
-
-def _restored(obj: Any, buffers: dict[int, Any]) -> Any:
-    """The inverse of :func:`_portable`: each :class:`_PortableMask` a ``_MaskPartial``
-    again, one new mask buffer per buffer number (``buffers``)."""
-    import torch
-    from torch.distributed.tensor.placement_types import MaskBuffer, _MaskPartial
-
-    def leaf(p: Any) -> Any:
-        if not isinstance(p, _PortableMask):
-            return p
-        buffer = buffers.setdefault(p.buffer, MaskBuffer())
-        shape = None if p.offset_shape is None else torch.Size(p.offset_shape)
-        return _MaskPartial(p.reduce_op, buffer, shape, p.offset_dim)
-
-    return _map_leaves(obj, leaf)
 
 
 def _signature(node: IRNode, metas: list[dict]) -> str:

@@ -13,7 +13,8 @@ The model comes from its family's builder (:mod:`pipeline.models`: the built-in 
 a transformers architecture, a module of your own); :mod:`pipeline.models.step` gives
 the capture one placeholder per parameter *tensor* (tied parameters), the mixed-precision
 casts and the loss. The capture runs in the state torch.export sets during its own
-capture (``torch.compiler.is_compiling()`` and ``is_exporting()`` true), which is what
+capture (``torch.compiler.is_compiling()`` and ``is_exporting()`` true,
+:func:`pipeline.dtensor.torch_compat.export_tracing_state`), which is what
 transformers' ``is_tracing()`` looks for: without it transformers takes eager-only,
 data-dependent paths (``find_packed_sequence_indices``) that cannot be traced on meta.
 A capture in which a trainable parameter gets no gradient (a loss whose backward
@@ -73,7 +74,6 @@ import contextlib
 import gc
 import json
 import logging
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,52 +84,27 @@ import pyarrow as pa
 from pipeline.core import runtime
 from pipeline.core.artifacts import GRAPH_FILE
 from pipeline.core.ir import tagged, tensor_ref
+from pipeline.stages.trace.layers import layer_of_path, module_path_of_stack
 
 log = logging.getLogger(__name__)
-
-#: Module paths of repeated blocks: a ModuleList-like container followed by an index.
-_LAYER_RE = re.compile(r"^(?P<prefix>(?:[A-Za-z_][\w]*\.)*[A-Za-z_][\w]*)\.(?P<idx>\d+)(?:\.|$)")
-
 
 def fake_process_group(world_size: int) -> None:
     """Initialise (once per process) a fake process group of ``world_size`` ranks.
 
-    Uses ``torch.testing._internal.distributed.fake_pg.FakeStore``; collectives
+    Uses ``FakeStore`` (:func:`pipeline.dtensor.torch_compat.fake_store`); collectives
     are no-ops, so DeviceMesh and DTensor work without devices.
     Raises RuntimeError if a real process group of another size exists.
     """
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from pipeline.dtensor.torch_compat import fake_store
 
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             dist.destroy_process_group()
         else:
             return
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-
-
-def _module_path(stack: dict | None) -> str:
-    """Innermost module path of an ``nn_module_stack`` entry (``L['self'].layers.3.x`` ->
-    ``layers.3.x``)."""
-    if not stack:
-        return ""
-    path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['self'\]\.?", "", path)
-    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
-    return re.sub(r"\[(\d+)\]", r".\1", path).replace("._modules['", ".").replace("']", "")
-
-
-def layer_of_path(path: str | None) -> str | None:
-    """Module path of the repeated block containing ``path`` (``layers.3.ffn.w1`` ->
-    ``layers.3``, ``model.layers.0`` -> ``model.layers.0``, ``h.7.mlp`` -> ``h.7``)."""
-    if not path:
-        return None
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit() and i > 0:
-            return ".".join(parts[: i + 1])
-    return None
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
 
 
 def _encode(arg: Any, index: dict[Any, int]) -> Any:
@@ -177,12 +152,12 @@ def _target_name(node: Any) -> str:
     t = node.target
     if getattr(t, "__name__", "") == "getitem":
         return "getitem"
-    import torch
+    from pipeline.dtensor.torch_compat import OpOverload, op_name_parts
 
-    if isinstance(t, torch._ops.OpOverload):
+    if isinstance(t, OpOverload):
         # ``namespace.op.overload`` for every namespace (aten, transformers, a user's
         # torch.library op), never the Python module path of the op object.
-        return f"{t.namespace}.{t._opname}.{t._overloadname}"
+        return ".".join(op_name_parts(t))
     name = str(t)
     return name if name.startswith("aten.") else f"{getattr(t, '__module__', '')}.{t}"
 
@@ -232,7 +207,7 @@ def capture_joint_graph(model: Any, inputs: tuple, stack: contextlib.ExitStack) 
     Returns the ``torch.fx.GraphModule`` of the joint graph; valid while ``stack``
     is open.
     """
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+    from pipeline.dtensor.torch_compat import aot_export_joint_with_descriptors
 
     with module_path_annotations(model):
         joint = aot_export_joint_with_descriptors(stack, model, inputs)
@@ -241,6 +216,15 @@ def capture_joint_graph(model: Any, inputs: tuple, stack: contextlib.ExitStack) 
 
 def graph_to_table(graph_module: Any) -> pa.Table:
     """Convert a joint graph into the graph IR table (schema in the module docstring)."""
+    from pipeline.dtensor.torch_compat import (
+        BufferAOTInput,
+        GradAOTOutput,
+        ParamAOTInput,
+        PlainAOTInput,
+        PlainAOTOutput,
+        TangentAOTInput,
+    )
+
     nodes = list(graph_module.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     rows: dict[str, list] = {k: [] for k in (
@@ -250,14 +234,14 @@ def graph_to_table(graph_module: Any) -> pa.Table:
         desc = n.meta.get("desc")
         role, fqn, input_index, output_desc = "activation", None, None, None
         if n.op == "placeholder":
-            dname = type(desc).__name__
-            if dname == "ParamAOTInput":
+            kind = type(desc)
+            if kind is ParamAOTInput:
                 role, fqn = "param", desc.target
-            elif dname == "BufferAOTInput":
+            elif kind is BufferAOTInput:
                 role, fqn = "buffer", desc.target
-            elif dname == "PlainAOTInput":
+            elif kind is PlainAOTInput:
                 role, input_index = "input", int(desc.idx)
-            elif dname == "TangentAOTInput":
+            elif kind is TangentAOTInput:
                 role = "tangent"
             else:
                 role = "input"
@@ -265,10 +249,9 @@ def graph_to_table(graph_module: Any) -> pa.Table:
             role = "output"
             descs = []
             for d in desc or []:
-                dn = type(d).__name__
-                if dn == "PlainAOTOutput":
+                if type(d) is PlainAOTOutput:
                     descs.append({"kind": "loss", "grad_of": None})
-                elif dn == "GradAOTOutput":
+                elif type(d) is GradAOTOutput:
                     descs.append({"kind": "grad", "grad_of": getattr(d.grad_of, "target", None)})
                 else:
                     descs.append({"kind": "none", "grad_of": None})
@@ -280,7 +263,7 @@ def graph_to_table(graph_module: Any) -> pa.Table:
         elif custom.get("module_path"):
             mpath = str(custom["module_path"])
         else:
-            mpath = _module_path(stack)
+            mpath = module_path_of_stack(stack)
         phase = "bwd" if n.meta.get("partitioner_tag") == "is_backward" else "fwd"
         if n.op == "placeholder":
             phase = "bwd" if role == "tangent" else "fwd"
@@ -327,22 +310,6 @@ def _inherit_layers(rows: dict[str, list], nodes: list, index: dict) -> None:
             rows["layer"][i] = rows["layer"][pick[-1]]
 
 
-@contextlib.contextmanager
-def export_tracing_state() -> Iterator[None]:
-    """``torch.compiler.is_compiling()`` and ``is_exporting()`` true, as during
-    torch.export's own capture (``torch._export.utils._compiling_state_context``):
-    libraries that branch on them (transformers' ``is_tracing()``) take their traceable
-    paths. The flags are restored on exit."""
-    import torch
-
-    old = (torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag)
-    torch.compiler._is_compiling_flag = torch.compiler._is_exporting_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag, torch.compiler._is_exporting_flag = old
-
-
 def check_gradients(graph_module: Any, trainable: set[str]) -> None:
     """Refuse a captured step in which a trainable parameter has no gradient output.
 
@@ -353,13 +320,14 @@ def check_gradients(graph_module: Any, trainable: set[str]) -> None:
     Raises:
         ModelError: one line naming the first such parameter.
     """
+    from pipeline.dtensor.torch_compat import GradAOTOutput
     from pipeline.models import ModelError
 
     out = next(n for n in graph_module.graph.nodes if n.op == "output")
     flat = out.args[0] if out.args else []
     missing = []
     for value, desc in zip(flat, out.meta.get("desc") or []):
-        if type(desc).__name__ == "GradAOTOutput" and value is None:
+        if type(desc) is GradAOTOutput and value is None:
             name = getattr(desc.grad_of, "target", None)
             if name in trainable:
                 missing.append(name)
@@ -374,6 +342,7 @@ def check_gradients(graph_module: Any, trainable: set[str]) -> None:
 
 def _capture(built: Any) -> pa.Table:
     """Capture the training step of ``built`` and convert it to the graph IR."""
+    from pipeline.dtensor.torch_compat import export_tracing_state
     from pipeline.models.step import training_step
 
     with contextlib.ExitStack() as stack:

@@ -62,6 +62,7 @@ from typing import Any
 import pyarrow as pa
 
 from pipeline.core.ir import TENSOR_REF_RE as _REF_RE
+from pipeline.stages.trace.layers import layer_of_path
 
 __all__ = ["SHORT_LAYERS", "ShortModel", "StampError", "name_gaps", "names_from_gaps",
            "short_model_plan", "stamp", "truncate_blocks"]
@@ -121,10 +122,8 @@ def _block_signature(block: Any) -> tuple:
 
 def _containers(module: Any) -> list[tuple[str, Any]]:
     """``(path, ModuleList)`` of each container whose children are repeated blocks (the
-    child paths are the ``layer`` labels of :func:`pipeline.stages.trace.stage.layer_of_path`)."""
+    child paths are the ``layer`` labels of :func:`pipeline.stages.trace.layers.layer_of_path`)."""
     import torch.nn as nn
-
-    from pipeline.stages.trace.stage import layer_of_path
 
     found = []
     for path, mod in module.named_modules():
