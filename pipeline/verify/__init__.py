@@ -4,5 +4,6 @@
 module     job
 =========  =======================================================================
 ``run``    :func:`verify` and ``python -m pipeline.verify``
+``models`` the real models it executes (every family), their inputs, the model hash
 =========  =======================================================================
 """
