@@ -6,9 +6,9 @@ C++ dispatch table runs that composite at the autograd key, and the composite ca
 ``nll_loss_forward``, which has a derivative (``nll_loss_backward``). But importing torch
 runs ``torch._meta_registrations.activate_meta()``, which registers each Python
 decomposition (``torch._refs.nn.functional.nll_loss`` among them) as a *Python* kernel
-of the ``Meta`` key (``op.py_impl(DispatchKey.Meta)``, line "op_overload.py_impl" there);
-for a ``CompositeImplicitAutograd`` op it deliberately registers no C++ meta kernel
-("we should be letting those decompositions run"), but the Python one stays.
+of the ``Meta`` key (``op_overload.py_impl(DispatchKey.Meta)``); for a
+``CompositeImplicitAutograd`` op it deliberately registers no C++ meta kernel ("we
+should be letting those decompositions run"), but the Python one stays.
 
 The joint capture (``aot_export_joint_with_descriptors``: make_fx with the Python
 dispatcher on) resolves each op's dispatch key in Python (``torch._ops.resolve_key``).
