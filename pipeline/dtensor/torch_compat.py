@@ -187,6 +187,44 @@ def decomposition(op: Any) -> Any:
     return _DECOMPOSITIONS.get(op)
 
 
+_GLOBAL_DECOMPOSITIONS = _require("torch._decomp", "global_decomposition_table")
+_DISPATCH_KEY = torch._C.DispatchKey
+
+
+def decomposed_overloads() -> list[Any]:
+    """Every ``OpOverload`` torch registered a Python decomposition for, in every table
+    (``torch._decomp.global_decomposition_table``, ``torch/_decomp/__init__.py:40``); no
+    public listing exists."""
+    seen: dict[Any, None] = {}
+    for table in _GLOBAL_DECOMPOSITIONS.values():
+        for op in table:
+            if isinstance(op, OpOverload):
+                seen.setdefault(op, None)
+    return list(seen)
+
+
+def python_kernel(op: Any, key: str) -> Any:
+    """The Python kernel ``op`` holds for the dispatch key ``key`` (``OpOverload.py_kernels``,
+    ``torch/_ops.py``: Python kernels the Python dispatcher prefers), or None."""
+    return op.py_kernels.get(getattr(_DISPATCH_KEY, key))
+
+
+def has_python_kernel(op: Any, keys: tuple[str, ...]) -> bool:
+    """Whether ``op`` holds a Python kernel for any of ``keys``."""
+    return any(getattr(_DISPATCH_KEY, k) in op.py_kernels for k in keys)
+
+
+def set_python_kernel(op: Any, key: str, kernel: Any) -> None:
+    """Install (``kernel``) or remove (None) ``op``'s Python kernel for ``key`` and clear
+    its dispatch cache (``OpOverload._dispatch_cache``), so the change takes effect."""
+    k = getattr(_DISPATCH_KEY, key)
+    if kernel is None:
+        op.py_kernels.pop(k, None)
+    else:
+        op.py_kernels.setdefault(k, kernel)
+    op._dispatch_cache.clear()
+
+
 #: torch's meta kernel of ``aten._grouped_mm`` (``torch/_meta_registrations.py:8830``);
 #: no public handle to a single op's meta kernel exists.
 meta_grouped_mm = _require("torch._meta_registrations", "meta_grouped_mm")

@@ -11,9 +11,10 @@ of a mapping), and a loss ``model.loss``:
 
 * ``cross_entropy`` (default): mean cross-entropy of the output ``[..., V]`` against an
   extra int64 input ``labels`` of shape ``output.shape[:-1]`` (the built-in model's
-  ``log_softmax`` + ``nll_loss_forward``; ``F.cross_entropy`` loses its backward under
-  the export tracer of torch 2.13);
-* ``output``: the module returns the scalar loss itself;
+  ``log_softmax`` + ``nll_loss_forward``);
+* ``output``: the module returns the scalar loss itself (its forward computes it, e.g.
+  ``F.cross_entropy(logits, labels)`` with ``labels`` one of ``model.inputs``: the trace
+  keeps the backward of such composite losses, :mod:`pipeline.stages.trace.composite`);
 * ``{_target_: my_pkg.loss_fn, ...}``: ``loss_fn(output, *inputs) -> scalar``; a class
   target is instantiated first (``torch.nn.MSELoss``), a function gets the other keys as
   keyword arguments.
@@ -35,8 +36,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
-__all__ = ["SCHEMA", "CustomModelConfig", "InputSpec", "build", "preflight", "trace_key",
-           "validate"]
+__all__ = ["SCHEMA", "CustomModelConfig", "InputSpec", "build", "instantiate", "loss_fn",
+           "preflight", "step", "step_input_specs", "trace_key", "validate"]
 
 LOSSES: tuple[str, ...] = ("cross_entropy", "output")
 ALLOWED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -188,17 +189,23 @@ def trace_key(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _instantiate(cfg: Mapping[str, Any]) -> Any:
+def instantiate(cfg: Mapping[str, Any], device: str = "meta") -> Any:
+    """The module of ``model.builder``, built inside ``torch.device(device)`` (meta for the
+    trace; ``cpu`` for verify's real weights).
+
+    Raises:
+        ModelError: the builder fails or returns no ``nn.Module`` (one line).
+    """
     import torch
     import torch.nn as nn
-    from hydra.utils import instantiate
+    from hydra.utils import instantiate as hydra_instantiate
 
     from pipeline.models import ModelError
 
     target = cfg["builder"]["_target_"]
     try:
-        with torch.device("meta"):
-            module = instantiate(dict(cfg["builder"]), _convert_="all")
+        with torch.device(device):
+            module = hydra_instantiate(dict(cfg["builder"]), _convert_="all")
     except Exception as err:  # noqa: BLE001 - the user's builder failed: one line
         cause = err.__cause__ or err
         raise ModelError(f"model.builder._target_={target}: building it failed "
@@ -236,7 +243,9 @@ def first_tensor(out: Any) -> Any:
     return None
 
 
-def _loss_fn(cfg: Mapping[str, Any]) -> Any:
+def loss_fn(cfg: Mapping[str, Any]) -> Any:
+    """``model.loss`` as :func:`step` takes it: ``cross_entropy`` / ``output`` as is, a
+    target instantiated (a class) or bound to its keyword arguments (a function)."""
     from hydra.utils import instantiate
 
     loss = cfg["loss"]
@@ -298,7 +307,7 @@ def _probe(cfg: Mapping[str, Any], module: Any) -> tuple[Any, Any]:
         return out, None
     try:
         with torch.no_grad():
-            value = out if loss == "output" else _loss_fn(cfg)(out, *inputs)
+            value = out if loss == "output" else loss_fn(cfg)(out, *inputs)
     except Exception as err:  # noqa: BLE001 - the user's loss failed: one line
         raise ModelError(f"model.loss={_show_loss(loss)}: failed on the output "
                          f"{list(out.shape)} ({type(err).__name__}: "
@@ -319,7 +328,21 @@ def _show_loss(loss: Any) -> str:
 
 def preflight(cfg: Mapping[str, Any]) -> None:
     """Build the module on meta and run the forward and the loss once."""
-    _probe(cfg, _instantiate(cfg))
+    _probe(cfg, instantiate(cfg))
+
+
+def step_input_specs(cfg: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``[{name, shape, dtype, high}]`` of every input of the training step in order:
+    ``model.inputs``, then for ``model.loss=cross_entropy`` the added ``labels`` (int64,
+    ``output.shape[:-1]``, ``high`` the output's class count, from a forward on meta).
+    Verify draws its real inputs from these."""
+    specs = [{"name": s["name"], "shape": [int(d) for d in s["shape"]], "dtype": s["dtype"],
+              "high": s.get("high")} for s in cfg["inputs"]]
+    if cfg["loss"] == "cross_entropy":
+        out, _ = _probe(cfg, instantiate(cfg))
+        specs.append({"name": "labels", "shape": [int(d) for d in out.shape[:-1]],
+                      "dtype": "int64", "high": int(out.shape[-1])})
+    return specs
 
 
 def build(cfg: Mapping[str, Any]) -> Any:
@@ -328,7 +351,7 @@ def build(cfg: Mapping[str, Any]) -> Any:
 
     from pipeline.models import BuiltModel
 
-    module = _instantiate(cfg)
+    module = instantiate(cfg)
     out, _ = _probe(cfg, module)
     module.train()
     inputs = _inputs(cfg)
@@ -336,10 +359,9 @@ def build(cfg: Mapping[str, Any]) -> Any:
     if loss == "cross_entropy":
         inputs = inputs + (torch.empty(tuple(out.shape[:-1]), dtype=torch.int64,
                                        device="meta"),)
-    loss_fn = _loss_fn(cfg)
     dtype = getattr(torch, cfg["param_dtype"])
     return BuiltModel(
-        module=module, inputs=inputs, step=functools.partial(step, loss=loss_fn),
+        module=module, inputs=inputs, step=functools.partial(step, loss=loss_fn(cfg)),
         compute_dtype=None if dtype == torch.float32 else dtype,
         info={"family": "custom", "architecture": type(module).__name__,
               "builder": cfg["builder"]["_target_"], "width": None})

@@ -7,10 +7,13 @@ task's auto class (``AutoModelForCausalLM`` / ``AutoModelForMaskedLM`` /
 access. Presets are saved configs of this family (``conf/model/hf/*.yaml``).
 
 The training step (:func:`step`) runs the model's forward on the token batch and takes
-the same loss as the built-in LLaMA (mean cross-entropy as ``log_softmax`` +
-``nll_loss_forward``, :func:`pipeline.models.llama_decoder.cross_entropy`) of the logits against
-``labels``: the model's own ``labels=`` loss goes through ``F.cross_entropy``, whose
-backward the export tracer of torch 2.13 drops. Mixed precision is the built-in model's:
+the loss of ``model.loss``: ``cross_entropy`` (default), the built-in LLaMA's (mean
+cross-entropy as ``log_softmax`` + ``nll_loss_forward``,
+:func:`pipeline.models.llama_decoder.cross_entropy`) of the logits against ``labels``; or
+``output``, the model's own loss, the forward given ``labels=`` (transformers'
+``loss_function``: a causal LM shifts the labels by one position and ignores the last,
+through ``F.cross_entropy``, whose backward the trace keeps:
+:mod:`pipeline.stages.trace.composite`). Mixed precision is the built-in model's:
 parameters stored in float32 and cast to ``param_dtype`` inside the step
 (:mod:`pipeline.models.step`), gradients reduced in ``reduce_dtype``.
 
@@ -56,6 +59,8 @@ TASKS: dict[str, str] = {
 ATTENTION_NAME = "planner_fused_sdpa"
 ATTN_IMPLEMENTATIONS: tuple[str, ...] = ("fused", "sdpa", "eager")
 EXPERTS_IMPLEMENTATIONS: tuple[str, ...] = ("grouped_mm", "batched_mm")
+#: ``model.loss``: the planner's cross-entropy of the logits, or the model's own loss.
+LOSSES: tuple[str, ...] = ("cross_entropy", "output")
 ALLOWED_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 EXTRA_HINT = "install the hf extra: pip install -e '.[hf]'"
 _MODEL_TYPE_RE = re.compile(r"^[a-z0-9][a-z0-9_\-]*$")
@@ -79,6 +84,8 @@ class HFModelConfig:
         attn_implementation: ``fused`` (the planner's fused SDPA op), or transformers'
             ``sdpa`` / ``eager``.
         experts_implementation: MoE experts: ``grouped_mm`` or ``batched_mm``.
+        loss: ``cross_entropy`` (of the logits against ``labels``) or ``output`` (the
+            model's own loss, the forward given ``labels=``).
         trace_env: set by ``resolve()`` (torch and transformers versions).
     """
 
@@ -94,6 +101,7 @@ class HFModelConfig:
     reduce_dtype: str = "float32"
     attn_implementation: str = "fused"
     experts_implementation: str = "grouped_mm"
+    loss: str = "cross_entropy"
     trace_env: dict[str, Any] = field(default_factory=dict)
 
 
@@ -142,6 +150,9 @@ def validate(cfg: Mapping[str, Any]) -> None:
             f"model.experts_implementation={cfg.get('experts_implementation')}: allowed "
             f"{', '.join(EXPERTS_IMPLEMENTATIONS)} (eager experts index with nonzero, which "
             "is data dependent)")
+    if cfg.get("loss", "cross_entropy") not in LOSSES:
+        raise ValueError(f"model.loss={cfg.get('loss')!r}: allowed {', '.join(LOSSES)} (the "
+                         "model's own loss, given labels=)")
     if not isinstance(cfg.get("config"), Mapping):
         raise ValueError(f"model.config={cfg.get('config')!r}: allowed a mapping of "
                          "transformers config fields")
@@ -303,20 +314,25 @@ def register_attention() -> None:
 # --------------------------------------------------------------------------- building
 
 
-def step(forward: Any, *inputs: Any, task: str) -> Any:
-    """The training step: forward on the token batch, cross-entropy of the logits."""
+def step(forward: Any, *inputs: Any, task: str, loss: str = "cross_entropy") -> Any:
+    """The training step: forward on the token batch, then the cross-entropy of the
+    logits against ``labels`` (``loss="cross_entropy"``) or the model's own loss, the
+    forward given ``labels=`` (``loss="output"``)."""
     from pipeline.models.llama_decoder import cross_entropy
 
+    own = {"labels": inputs[-1]} if loss == "output" else {}
     if task == "seq2seq":
         input_ids, decoder_input_ids, labels = inputs
         out = forward(input_ids=input_ids, decoder_input_ids=decoder_input_ids,
-                      use_cache=False, return_dict=True)
+                      use_cache=False, return_dict=True, **own)
     elif task == "causal_lm":
         input_ids, labels = inputs
-        out = forward(input_ids=input_ids, use_cache=False, return_dict=True)
+        out = forward(input_ids=input_ids, use_cache=False, return_dict=True, **own)
     else:
         input_ids, labels = inputs
-        out = forward(input_ids=input_ids, return_dict=True)
+        out = forward(input_ids=input_ids, return_dict=True, **own)
+    if loss == "output":
+        return out.loss
     logits = out.logits
     return cross_entropy(logits.flatten(0, -2).float(), labels.flatten())
 
@@ -359,7 +375,8 @@ def build(cfg: Mapping[str, Any]) -> Any:
         inputs = (tokens(b, t), tokens(b, t))
     width = getattr(config, "hidden_size", None) or getattr(config, "d_model", None)
     return BuiltModel(
-        module=model, inputs=inputs, step=functools.partial(step, task=cfg["task"]),
+        module=model, inputs=inputs,
+        step=functools.partial(step, task=cfg["task"], loss=cfg.get("loss", "cross_entropy")),
         compute_dtype=getattr(torch, cfg["param_dtype"]),
         info={"family": "hf", "architecture": model_class.__name__,
               "model_type": cfg["model_type"], "task": cfg["task"],

@@ -156,9 +156,11 @@ class Transformer(nn.Module):
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy ``[N, V], [N] -> []`` as ``log_softmax`` + ``nll_loss_forward``.
 
-    ``F.cross_entropy`` reaches ``aten::nll_loss``, which has no autograd kernel
-    under the export tracer in torch 2.13 (the backward silently disappears);
-    ``nll_loss_forward`` has a derivative (``nll_loss_backward``).
+    ``F.cross_entropy`` decomposes to the same two ops (``log_softmax``, then
+    ``aten::nll_loss`` -> ``nll_loss_forward``, whose derivative is ``nll_loss_backward``);
+    calling ``nll_loss_forward`` directly keeps the graph independent of how
+    ``aten::nll_loss`` dispatches on meta (in torch 2.13 it lost its backward there until
+    the capture fixed that: :mod:`pipeline.stages.trace.composite`).
     """
     logp = torch.log_softmax(logits, dim=-1)
     return torch.ops.aten.nll_loss_forward(logp, labels, None, 1, -100)[0]

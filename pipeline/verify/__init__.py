@@ -5,7 +5,8 @@ module       job
 ===========  =====================================================================
 ``run``      :func:`verify` and ``python -m pipeline.verify``: checks the inputs,
              runs the stages and the processes, writes ``verify.json``
-``execute``  what each process runs: the model with real weights, the planned step
-             on ``gloo``, rank 0's reference step
+``execute``  what each process runs: the planned step on ``gloo``, rank 0's
+             reference step
+``models``   the real models it executes (every family), their inputs, the model hash
 ===========  =====================================================================
 """

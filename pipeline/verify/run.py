@@ -63,14 +63,13 @@ from pipeline.plan.format import (
     check_world_size,
     load,
 )
-from pipeline.verify.execute import (
+from pipeline.verify.execute import check_deterministic, worker
+from pipeline.verify.models import (
     VerifyUsageError,
     build_real_model,
-    check_deterministic,
     check_model_family,
     model_hash_of_config,
     real_inputs,
-    worker,
 )
 
 __all__ = ["DEFAULT_SEED", "RTOL", "VERIFY_FILE", "VerifyUsageError",
@@ -102,10 +101,10 @@ def dtensor_collectives(row: dict[str, Any], mesh_shape: Sequence[int],
     names = list(row["collectives"] or ())
     if not any("+" in n for n in names):
         return names
+    from pipeline.core.dtypes import itemsize
     from pipeline.costmodel.hardware import HardwareConfig
     from pipeline.costmodel.redistribute import redistribute_steps
     from pipeline.dtensor.placements import parse_placements
-    from pipeline.stages.costs.stage import itemsize
 
     ndim = len(mesh_shape)
     steps = redistribute_steps(row["shape"], itemsize(row["dtype"]),

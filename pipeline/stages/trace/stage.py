@@ -17,8 +17,11 @@ capture (``torch.compiler.is_compiling()`` and ``is_exporting()`` true,
 :func:`pipeline.dtensor.torch_compat.export_tracing_state`), which is what
 transformers' ``is_tracing()`` looks for: without it transformers takes eager-only,
 data-dependent paths (``find_packed_sequence_indices``) that cannot be traced on meta.
-A capture in which a trainable parameter gets no gradient (a loss whose backward
-vanished, an unused parameter) is refused with one line naming the parameter.
+Composite ops whose Python meta kernel would cost them their derivative on meta tensors
+(``aten::nll_loss`` of ``F.cross_entropy``) dispatch as on CPU during the capture
+(:mod:`pipeline.stages.trace.composite`: why, and which ops). A capture in which a
+trainable parameter still gets no gradient (an op without a derivative on the way to the
+loss, an unused parameter) is refused with one line naming the parameter.
 
 **Depth-independent trace** (``stamp_layers``, default on; :mod:`pipeline.stages.trace.stamp`):
 a model of N >= 5 repeated blocks (one ``ModuleList``) whose blocks are structurally
@@ -84,6 +87,7 @@ import pyarrow as pa
 from pipeline.core import runtime
 from pipeline.core.artifacts import GRAPH_FILE
 from pipeline.core.ir import tagged, tensor_ref
+from pipeline.stages.trace.composite import composite_autograd_on_meta
 from pipeline.stages.trace.layers import layer_of_path, module_path_of_stack
 
 log = logging.getLogger(__name__)
@@ -203,13 +207,14 @@ def capture_joint_graph(model: Any, inputs: tuple, stack: contextlib.ExitStack) 
 
     ``aot_export_joint_with_descriptors`` traces the module directly (make_fx under
     a fake mode; no Dynamo graph capture, which took 2.5x longer for the same
-    aten graph) with module paths recorded by :func:`module_path_annotations`.
+    aten graph) with module paths recorded by :func:`module_path_annotations`, composite
+    ops keeping their backward on meta (:func:`composite_autograd_on_meta`).
     Returns the ``torch.fx.GraphModule`` of the joint graph; valid while ``stack``
     is open.
     """
     from pipeline.dtensor.torch_compat import aot_export_joint_with_descriptors
 
-    with module_path_annotations(model):
+    with module_path_annotations(model), composite_autograd_on_meta():
         joint = aot_export_joint_with_descriptors(stack, model, inputs)
     return joint.graph_module
 
@@ -313,31 +318,35 @@ def _inherit_layers(rows: dict[str, list], nodes: list, index: dict) -> None:
 def check_gradients(graph_module: Any, trainable: set[str]) -> None:
     """Refuse a captured step in which a trainable parameter has no gradient output.
 
-    torch only warns when the backward of a loss vanishes (``F.cross_entropy`` under the
-    export tracer of torch 2.13): the graph then holds the forward alone and every
-    gradient output is None, and a plan of it would be a forward-only plan.
+    torch only warns when the backward of a loss vanishes (an op without a derivative on
+    the way to the loss: a ``torch.library`` op with no autograd formula): the graph then
+    holds the forward alone and every gradient output is None; a loss that does not
+    require grad at all (computed from detached tensors) gives an inference graph with no
+    gradient outputs. A plan of either would be a forward-only plan. Parameters are
+    named in placeholder order.
 
     Raises:
         ModelError: one line naming the first such parameter.
     """
-    from pipeline.dtensor.torch_compat import GradAOTOutput
+    from pipeline.dtensor.torch_compat import GradAOTOutput, ParamAOTInput
     from pipeline.models import ModelError
 
-    out = next(n for n in graph_module.graph.nodes if n.op == "output")
+    nodes = list(graph_module.graph.nodes)
+    params = [n.meta["desc"].target for n in nodes if n.op == "placeholder"
+              and type(n.meta.get("desc")) is ParamAOTInput]
+    out = next(n for n in nodes if n.op == "output")
     flat = out.args[0] if out.args else []
-    missing = []
-    for value, desc in zip(flat, out.meta.get("desc") or []):
-        if type(desc) is GradAOTOutput and value is None:
-            name = getattr(desc.grad_of, "target", None)
-            if name in trainable:
-                missing.append(name)
+    grads = {getattr(desc.grad_of, "target", None): value
+             for value, desc in zip(flat, out.meta.get("desc") or [])
+             if type(desc) is GradAOTOutput}
+    missing = [name for name in params if name in trainable and grads.get(name) is None]
     if missing:
         raise ModelError(
             f"{missing[0]}: the captured training step has no gradient for this trainable "
             f"parameter ({len(missing)} of {len(trainable)} have none): the loss's backward "
-            "vanished (torch 2.13's export tracer drops the backward of F.cross_entropy / "
-            "aten.nll_loss; use model.loss=cross_entropy or nll_loss_forward) or the "
-            "parameter is unused (set requires_grad=False on it)")
+            "vanished (an op on the way to the loss has no derivative: a torch.library op "
+            "without an autograd formula, a detach) or the parameter is unused (set "
+            "requires_grad=False on it)")
 
 
 def _capture(built: Any) -> pa.Table:
