@@ -217,7 +217,7 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
     solver = get_solver(str(s.name))
     if not solver.exact:  # approx: no presolve
         return _approx(cfg, mrf, label_bounds=bool(cfg.optimality_check and s.prune), fp=fp), None
-    presolve = None
+    presolve = first = None
     if bool(s.prune):
         from pipeline.solvers.errors import NoFeasibleLabelingError
 
@@ -229,7 +229,13 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
         mrf, presolve = _pruned(mrf, first)
         if presolve is not None:
             presolve["seconds"] = time.perf_counter() - start
-    result = solver.solve(mrf, solver.options(s, mps_path=out_dir / "model.mps"))
+    # stopped without a plan (time limit): TRW-S's plan, Heuristic (solvers/ilp/fallback.py)
+    result = solver.solve(mrf, solver.options(s, mps_path=out_dir / "model.mps", fallback=first))
+    if not math.isfinite(result.objective):
+        from pipeline.core.errors import PlanError
+        from pipeline.solvers.ilp.fallback import no_plan_message
+
+        raise PlanError(no_plan_message(str(s.name), result, s.time_limit_s, bool(s.prune)))
     return result, presolve
 
 
