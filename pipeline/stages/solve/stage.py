@@ -53,8 +53,10 @@ from pipeline.core.artifacts import (  # noqa: F401 - file names, re-exported
     SOLUTION,
     SOLUTION_FILE,
 )
+from pipeline.core.errors import PlanError
 from pipeline.costmodel.breakdown import plan_breakdown
 from pipeline.plan.format import plan_of_run, write_plan
+from pipeline.solvers.ilp.fallback import no_plan_message
 from pipeline.stages.costs.stage import Costs, group_structure, load_costs
 from pipeline.stages.topology import TopologyTables, read_topology
 
@@ -232,9 +234,6 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
     # stopped without a plan (time limit): TRW-S's plan, Heuristic (solvers/ilp/fallback.py)
     result = solver.solve(mrf, solver.options(s, mps_path=out_dir / "model.mps", fallback=first))
     if not math.isfinite(result.objective):
-        from pipeline.core.errors import PlanError
-        from pipeline.solvers.ilp.fallback import no_plan_message
-
         raise PlanError(no_plan_message(str(s.name), result, s.time_limit_s, bool(s.prune)))
     return result, presolve
 
