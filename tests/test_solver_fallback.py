@@ -115,6 +115,7 @@ def test_a_valid_incumbent_is_kept_and_a_bad_fallback_is_not_used(monkeypatch):
     assert res.status == NOT_SOLVED
 
 
+@pytest.mark.slow
 @pytest.mark.toy_runs(("mesh=2x4", "solver=ilp"))
 def test_python_m_pipeline_stopped_by_the_time_limit_plans_heuristic(tmp_path, toy_results):
     """HiGHS stopped after 1 ms (presolve alone takes longer): exit 0, the TRW-S plan,
