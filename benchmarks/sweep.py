@@ -30,9 +30,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # this checkout's pipeline, not an installed one
+    sys.path.insert(0, str(ROOT))
+
+from pipeline.config.overrides import override_value  # noqa: E402
+
 STAGES_RE = re.compile(r"stages: (?P<stages>.*); wall (?P<wall>[\d.]+) s")
 REPORT_RE = re.compile(r"report of the sweep: (?P<s>[\d.]+) s")
-RECORD_RE = re.compile(r"^run record: (?P<path>\S+)$")
+RECORD_RE = re.compile(r"^run record: (?P<path>.+)$")  # a path may hold spaces
 
 
 def run(args: list[str], cwd: Path, module: str = "pipeline") -> tuple[float, str]:
@@ -70,7 +75,7 @@ def points(log: str, cwd: Path) -> list[tuple[str, float, str]]:
         if m:
             pending = (float(m["wall"]), m["stages"])
             continue
-        m = RECORD_RE.match(line.strip())
+        m = RECORD_RE.match(line)
         if m and pending is not None:
             record = json.loads((cwd / m["path"]).read_text())
             mesh = record["mesh"] if isinstance(record["mesh"], str) else "x".join(
@@ -103,7 +108,9 @@ def main() -> None:
 def sweep(args: argparse.Namespace, results: Path) -> None:
     """Make the trace, run the two sweeps, print and write the table."""
     meshes = args.meshes.split(",")
-    common = [f"model={args.model}", f"results_dir={results.resolve()}"]
+    # a Hydra override: a path with spaces, quotes or ; is quoted (never a shell here)
+    common = [f"model={args.model}",
+              f"results_dir={override_value(str(results.resolve()), quote='path')}"]
     trace_wall, _ = run(["trace", *common, f"mesh={meshes[0]}"], ROOT, "pipeline.stages.runner")
     sweeps = [[*common, f"mesh={','.join(meshes)}", "solver=approx", "lazy_costs=true,false"],
               [*common, f"mesh={','.join(meshes)}", "solver=ilp,lp"]]

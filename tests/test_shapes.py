@@ -185,11 +185,15 @@ def test_a_shape_the_planner_refuses_is_a_failed_row(toy_results, tmp_path: Path
                                                      capsys) -> None:
     """32 devices on one dim: the default input placement S(0) would shard the toy batch
     of 16 over 32 devices: the row says why (naming model.batch_size), the sweep
-    completes."""
+    completes, ends with its summary and exits 1."""
     results = tmp_path / "results"
     toy_results.copy_run(results, "mesh=8", "lazy_costs=true", upto="trace")  # the trace
-    assert shapes.main(["world=32", "max_dims=1", "model=toy", f"results_dir={results}"]) == 0
-    assert "1 shapes, 1 not planned, none planned" in capsys.readouterr().out
+    assert shapes.main(["world=32", "max_dims=1", "model=toy", f"results_dir={results}"]) == 1
+    out, err = capsys.readouterr()
+    assert "1 shapes, 1 not planned, none planned" in out
+    assert err.splitlines()[-2] == "shapes: planned 1, ok 0, failed 1"
+    assert err.splitlines()[-1].startswith(
+        "failed: mesh=32 mesh_names=[dp]: model.batch_size=16: the inputs are sharded")
     (out,) = list((results / "shapes").glob("toy-*/w32-d1"))
     table = pd.read_parquet(out / "shapes.parquet")
     assert list(table["mesh"]) == ["32"] and list(table["status"]) == ["failed"]

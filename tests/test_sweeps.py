@@ -306,3 +306,47 @@ def test_pipeline_validates_a_slurm_sweep_before_submitting(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "mesh=2x0: allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"]
     assert not (tmp_path / "results").exists()
+
+
+# --------------------------------------------------------------------------- failed points
+
+
+def test_the_summary_counts_planned_ok_and_failed_points(tmp_path):
+    from pipeline.core.sweep import NO_OUTCOME, PointOutcome, read_outcomes, record_outcome
+    from pipeline.core.sweep import summary_lines as summary
+
+    record_outcome(tmp_path, 0, PointOutcome("mesh=8"))
+    record_outcome(tmp_path, 1, PointOutcome("mesh=2", "constraints.device_memory=1: no"))
+    outcomes = read_outcomes(tmp_path)
+    assert summary(["mesh=8", "mesh=2", "mesh=2x4"], outcomes) == [
+        "sweep: planned 3, ok 1, failed 2",
+        "failed: mesh=2: constraints.device_memory=1: no",
+        f"failed: mesh=2x4: {NO_OUTCOME}"]
+    assert summary(["mesh=8"], outcomes, what="shapes") == ["shapes: planned 1, ok 1, failed 0"]
+    assert read_outcomes(tmp_path / "absent") == {}
+
+
+@pytest.mark.slow
+@pytest.mark.toy_runs(("mesh=8",))
+def test_a_point_that_fails_is_recorded_and_the_sweep_goes_on(tmp_path, toy_results):
+    """300 MiB per device: mesh 2 has no plan (one line), the sweep still plans 8 and 2x4,
+    the report holds those two runs, the summary names the failed point, exit 1."""
+    import pandas as pd
+
+    results = tmp_path / "results"
+    toy_results.copy_run(results, "mesh=8", upto="trace")  # the trace only
+    proc = run(tmp_path, "-m", "pipeline", "-m", "model=toy", "mesh=8,2,2x4",
+               "constraints.device_memory=300MiB", f"results_dir={results}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-2] == "sweep: planned 3, ok 2, failed 1"
+    assert lines[-1].startswith(
+        f"failed: model=toy mesh=2 constraints.device_memory=300MiB results_dir={results}: "
+        "constraints.device_memory=300MiB: infeasible, the smallest memory any plan "
+        "reaches is ")
+    assert proc.stdout.count("run record: ") == 2
+    report = pd.read_parquet(results / "report" / "runs.parquet")
+    assert sorted(report["mesh"]) == ["2x4", "8"]
+    (kept,) = list((results / "hydra" / "sweeps").iterdir())  # the record of the failure
+    assert sorted(p.name for p in kept.iterdir()) == ["0.json", "1.json", "2.json"]

@@ -81,6 +81,12 @@ def override_value(value: Any, quote: str = "auto") -> str:
     raise TypeError(f"cannot render {type(value).__name__} as a Hydra override")
 
 
+def printable(text: str) -> str:
+    """``text`` with every non-printable character (``str.isprintable``: line breaks,
+    tabs, other controls) written as its Python escape (``\\n``, ``\\t``, ``\\x00``)."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 # ------------------------------------------------------------------ normalising and checking
 
 
@@ -145,8 +151,10 @@ def check_overrides(overrides: list[str]) -> None:
         except HydraException as err:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else "syntax error"
             raise ConfigError(
-                f"{ov}: not a valid override ({reason}); write key=value and quote a value "
-                "holding ( ) , | or spaces, e.g. \"constraints.inputs='S(0)RR'\"") from None
+                f"{printable(ov)}: not a valid override ({printable(reason)}); write "
+                "key=value and single-quote a value holding other characters than letters, "
+                "digits and _ . / + - (spaces, ( ) , | ; $ quotes, non-ASCII), e.g. "
+                "\"constraints.inputs='S(0)RR'\" or \"results_dir='my results'\"") from None
         key = parsed.key_or_group
         if key.startswith("hydra") or "/" in key:
             continue

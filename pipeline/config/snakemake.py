@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from pipeline import models as model_families
-from pipeline.config.overrides import override_value
+from pipeline.config.overrides import override_value, printable
 from pipeline.config.paths import stage_keys
 from pipeline.config.schema import ConfigError
 
@@ -80,6 +80,91 @@ def _raw_overrides(value: Any, argv: Sequence[str] | None) -> Any:
     return value
 
 
+#: ``--config`` keys that are text as typed, whatever it looks like: a path, a label.
+RAW_TEXT_KEYS: tuple[str, ...] = ("results_dir", "revision_label")
+
+
+def _raw_text(key: str, value: Any, argv: Sequence[str] | None) -> Any:
+    """The text of ``--config <key>=<text>`` as typed: Snakemake strips leading and
+    trailing quotes from a value, then reads it as an int, a float, a bool or YAML
+    (``a #b`` -> ``a``, ``[a]`` -> a list, ``a: b`` -> a mapping, a line break -> a
+    space), so that a path would not be the one typed. The last ``<key>=`` entry of the
+    command line (``argv``) wins, as in Snakemake; ``value`` when there is none (the
+    value came from a ``--configfile``)."""
+    prefixes = (f"{key}=", f"--config={key}=")
+    raw = [a.split("=", 2)[-1] if a.startswith("--config=") else a[len(key) + 1:]
+           for a in (argv or ()) if a.startswith(prefixes)]
+    return raw[-1] if raw else value
+
+
+def config_entries(argv: Sequence[str]) -> list[str]:
+    """The ``--config`` entries of a Snakemake command line, as typed (``--config a=1
+    b=2``, ``-C a=1``, ``--config=a=1``): the ones Snakemake hands to every cluster job."""
+    out, inside = [], False
+    for arg in argv:
+        if arg in ("--config", "-C"):
+            inside = True
+        elif arg.startswith("--config="):
+            out.append(arg[len("--config="):])
+            inside = False
+        elif inside and not arg.startswith("-"):
+            out.append(arg)
+        else:
+            inside = False
+    return out
+
+
+def job_command_problem(entry: str, wrapped: bool) -> str | None:
+    r"""Why a cluster job would not receive the ``--config`` entry ``entry`` as typed, or
+    None. Snakemake writes each entry into a job's command line as Python's ``repr``
+    (``snakemake_interface_executor_plugins.utils.format_cli_value``), which a POSIX
+    shell reads back unchanged only in single quotes without escapes, and in double
+    quotes without ``$`` or a backquote (the shell expands them). ``wrapped``: the slurm
+    executor also puts the whole command in ``sbatch --wrap="..."`` (only ``"`` escaped),
+    where the submitting shell expands ``$``, backquotes and ``\``."""
+    text = repr(entry)
+    try:
+        same = shlex.split(text) == [entry]
+    except ValueError:
+        same = False
+    if not same or (text.startswith('"') and any(c in entry for c in "$`")):
+        return ("a cluster job gets --config values quoted by Python's repr, which its shell "
+                "reads differently for this one")
+    bad = sorted({c for c in entry if c in "$`\\"}) if wrapped else []
+    if bad:
+        return (f"the slurm executor passes each job's command in sbatch --wrap=\"...\", "
+                f"where the shell expands {' '.join(bad)}")
+    return None
+
+
+def check_workflow_paths(cfg: DictConfig) -> None:
+    """Refuse a ``results_dir`` the workflow cannot name: its rules' paths are Snakemake
+    patterns, where ``{`` and ``}`` mark wildcards (``python -m pipeline`` takes them).
+
+    Raises:
+        ConfigError: ``results_dir=<value>: ...; allowed a path without braces``.
+    """
+    value = str(cfg.results_dir)
+    if "{" in value or "}" in value:
+        raise ConfigError(f"results_dir={printable(value)}: {{ and }} mark wildcards in the "
+                          "workflow's paths; allowed a path without braces (python -m "
+                          "pipeline takes it as it is)")
+
+
+def check_cluster_config(argv: Sequence[str], executor: str, wrapped: bool) -> None:
+    """Refuse a ``--config`` entry that a job of the cluster ``executor`` would not
+    receive as typed (:func:`job_command_problem`).
+
+    Raises:
+        ConfigError: ``<entry>: <why>; allowed with a local run, or in a --configfile``.
+    """
+    for entry in config_entries(argv):
+        problem = job_command_problem(entry, wrapped)
+        if problem is not None:
+            raise ConfigError(f"{printable(entry)}: {problem} (--executor {executor}); allowed "
+                              "as it is with a local run, or in a --configfile")
+
+
 def overrides_from_snakemake(config: Mapping[str, Any],
                              argv: Sequence[str] | None = None) -> list[str]:
     """Map Snakemake ``--config`` values (already parsed by Snakemake: str, int, bool,
@@ -125,8 +210,8 @@ def overrides_from_snakemake(config: Mapping[str, Any],
             if isinstance(value, str):
                 value = [v.strip() for v in value.strip("[]").split(",")]
             out.append(f"mesh_names={override_value(value)}")
-        elif isinstance(value, str) and key in ("results_dir", "revision_label"):
-            out.append(f"{key}={override_value(value)}")
+        elif key in RAW_TEXT_KEYS and value is not None:
+            out.append(f"{key}={override_value(str(_raw_text(key, value, argv)))}")
         else:
             out.append(f"{key}={override_value(value, quote='never')}")
     return out

@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline import models as model_families
-from pipeline.config.overrides import override_value
+from pipeline.config.overrides import override_value, printable
 from pipeline.config.schema import (
     DEFAULT_MESH_NAMES,
     MIP_BACKENDS,
@@ -35,8 +35,33 @@ _IDENT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def _shown(value: Any) -> str:
-    """A value as a one-line message shows it (:func:`override_value`, ``quote="never"``)."""
-    return override_value(value, quote="never")
+    """A value as a one-line message shows it (:func:`override_value`, ``quote="never"``),
+    a character that is not printable (a newline, a tab) as its Python escape, so that
+    the message stays one line."""
+    return printable(override_value(value, quote="never"))
+
+
+#: Characters a ``results_dir`` cannot hold: NUL ends a path for the operating system,
+#: and a line break would split the one-line records that name a run's paths
+#: (``run record: <path>``, the one-line errors, the logs). Every character
+#: ``str.splitlines`` breaks at, and NUL.
+_PATH_BREAKS = frozenset("\x00\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")
+
+
+def check_results_dir(value: Any) -> None:
+    """``results_dir``: a non-empty path on one line. Every other character is allowed
+    (spaces, quotes, ``;``, ``$``, non-ASCII): paths reach a shell only quoted.
+
+    Raises:
+        ConfigError: ``results_dir=<value, escaped>: allowed ...``.
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"results_dir={_shown(value)}: allowed a non-empty path")
+    bad = sorted({c for c in value if c in _PATH_BREAKS})
+    if bad:
+        shown = ", ".join(repr(c)[1:-1] for c in bad)
+        raise ConfigError(f"results_dir={_shown(value)}: allowed a path on one line, without "
+                          f"NUL or line breaks (it holds {shown})")
 
 
 _MESH_ALLOWED = "allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"
@@ -294,7 +319,8 @@ def resolve(cfg: DictConfig) -> DictConfig:
             mesh or mesh_names (size < 1, wrong count, duplicated names, rank > 3 without
             names), ``lazy_costs=true`` with ilp/lp, a bad model (via its family's
             ``validate``, :mod:`pipeline.models`), hardware (``validate_hardware``), solver
-            or constraint value, or an empty ``results_dir``.
+            or constraint value, or an empty ``results_dir`` or one holding NUL or a line
+            break (:func:`check_results_dir`).
     """
     try:
         out = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
@@ -348,8 +374,7 @@ def resolve(cfg: DictConfig) -> DictConfig:
         validate_memory_config(out)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if not isinstance(out.results_dir, str) or not out.results_dir.strip():
-        raise ConfigError(f"results_dir={_shown(out.results_dir)}: allowed a non-empty path")
+    check_results_dir(out.results_dir)
     check_finite(OmegaConf.to_container(out, resolve=True))
     out.mesh = mesh
     out.mesh_names = names

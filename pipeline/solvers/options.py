@@ -79,6 +79,9 @@ class IlpOptions:
     threads: int = 1
     mps_path: str | Path | None = None
     msg: bool = False
+    #: a plan found before (the pruning step's TRW-S result), returned as ``Heuristic``
+    #: when the solve stops without a plan (pipeline/solvers/ilp/fallback.py)
+    fallback: SolverResult | None = None
 
     def __post_init__(self) -> None:
         _check_backend(self.backend)
@@ -109,6 +112,7 @@ class LpOptions:
     mps_path: str | Path | None = None
     msg: bool = False
     accept_fractional: bool = False
+    fallback: SolverResult | None = None
 
     def __post_init__(self) -> None:
         _check_backend(self.backend)

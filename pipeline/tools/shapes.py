@@ -64,6 +64,7 @@ from pipeline.config import (
 )
 from pipeline.core.codehash import source_hash
 from pipeline.core.runtime import PROJECT_ROOT
+from pipeline.core.sweep import PointOutcome, one_line, summary_lines
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,9 @@ def run_shapes(sweep: ShapeSweep) -> Any:
     ``S(0)`` on a first dim larger than the batch, or one of
     :data:`pipeline.stages.runner.USER_ERRORS`, e.g. no plan within the memory limit) is a row with
     status ``failed`` and the one-line reason in ``error``, after every planned shape;
-    the sweep goes on. Other errors stop it.
+    the sweep goes on. So is a shape that fails with any other error (the reason then
+    starts with the error's type, and its traceback is logged): the other shapes still
+    run and the sweep ends with a summary and exit status 1 (:func:`main`).
     """
     from pipeline.stages.report.picture import ensure_plan_picture
     from pipeline.stages.runner import USER_ERRORS, run_stage
@@ -311,8 +314,12 @@ def run_shapes(sweep: ShapeSweep) -> Any:
             for stage in _RUN_STAGES:
                 run_stage(stage, cfg, dirs)
         except (*USER_ERRORS, ConfigError) as err:
-            failed[shape] = str(err).splitlines()[0] if str(err) else type(err).__name__
+            failed[shape] = one_line(err)
             log.warning("shape %s: not planned: %s", mesh_label(shape), failed[shape])
+            continue
+        except Exception as err:  # recorded, logged with its traceback; exit status 1
+            failed[shape] = one_line(err, with_type=True)
+            log.exception("shape %s: failed: %s", mesh_label(shape), failed[shape])
             continue
         ensure_plan_picture(dirs.solve)
     run_stage("report", sweep.configs[0], stage_dirs(sweep.configs[0]))
@@ -451,7 +458,8 @@ def plot_shapes(table: Any, path: Path, title: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m pipeline.tools.shapes``; returns the exit code (2: bad input,
-    one line, nothing written)."""
+    one line, nothing written; 1: some shape failed, the table and the summary on stderr
+    say which and why; 0: every shape planned)."""
     from pipeline.stages.runner import USER_ERRORS, configure_logging
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -476,7 +484,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             if len(planned) else "none planned")
     print(f"shapes: {len(table)} shapes, {len(table) - len(planned)} not planned, {best} "
           f"-> {sweep.out_dir}")
-    return 0
+    lines = summary_lines(*sweep_outcomes(sweep, table), what="shapes")
+    for line in lines:
+        print(line, file=sys.stderr)
+    return 0 if len(lines) == 1 else 1
+
+
+def sweep_outcomes(sweep: ShapeSweep, table: Any) -> tuple[list[str], dict[int, PointOutcome]]:
+    """The shapes of the sweep as points (their ``mesh``/``mesh_names`` overrides, in the
+    sweep's order) and how each ended, from the table's ``status`` and ``error``."""
+    errors = {str(m): (str(e) if s == "failed" else None)
+              for m, s, e in zip(table["mesh"], table["status"],
+                                 table["error"] if "error" in table.columns
+                                 else [None] * len(table), strict=True)}
+    points, outcomes = [], {}
+    for i, cfg in enumerate(sweep.configs):
+        shape = tuple(int(d) for d in cfg.mesh)
+        points.append(" ".join(shape_overrides(shape)))
+        if mesh_label(shape) in errors:
+            outcomes[i] = PointOutcome(points[-1], errors[mesh_label(shape)])
+    return points, outcomes
 
 
 if __name__ == "__main__":

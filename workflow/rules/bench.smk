@@ -26,4 +26,4 @@ rule bench:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.tools.bench --suite {params.suite:q} --out {params.out:q} 2>&1 | tee {log:q}"
+        "python -m pipeline.tools.bench --suite {params.suite:q} --out={params.out:q} 2>&1 | tee -- {log:q}"

@@ -37,15 +37,37 @@ from pipeline.config import (
     stage_dirs,
     stage_overrides,
 )
+from pipeline.config.snakemake import check_cluster_config, check_workflow_paths
 from pipeline.tools.paper import experiment_name, experiment_overrides, load_experiment, output_files
 
+# Every path and value reaches a job's shell quoted ({x:q} in the rules' shell commands),
+# so results_dir may hold spaces, quotes, ; $ ` or non-ASCII (docs/reliability.md); the
+# config layer refuses what no path can hold (NUL, a line break), check_workflow_paths
+# the braces of Snakemake's wildcards.
 try:
     PLAN_CFG = load_resolved(overrides_from_snakemake(config, sys.argv))
+    check_workflow_paths(PLAN_CFG)
     preflight_trace(PLAN_CFG)  # model checks needing imports / a forward on meta
 except ConfigError as err:
     print(err, file=sys.stderr)
     sys.exit(2)
 PLAN_DIRS = stage_dirs(PLAN_CFG)
+
+
+# A cluster executor hands the --config entries to each job through a shell, quoted by
+# Snakemake (and by the slurm executor's sbatch --wrap="..."): an entry that would not
+# arrive as typed is refused before any job is submitted (known only once the executor
+# is, hence onstart; a dry run submits nothing).
+onstart:
+    if not workflow.local_exec:
+        _executor = str(workflow.executor_plugin.name)
+        _wrapped = _executor == "slurm" and not getattr(
+            workflow.executor_settings, "pass_command_as_script", False)
+        try:
+            check_cluster_config(sys.argv, _executor, _wrapped)
+        except ConfigError as err:
+            print(err, file=sys.stderr)
+            sys.exit(2)
 
 # The paper experiment's overrides: the --config ones, and experiment=paper_toy if none.
 PAPER_OVERRIDES = experiment_overrides(overrides_from_snakemake(config, sys.argv))

@@ -15,7 +15,7 @@ rule costs_lazy:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.cli costs {params.overrides:q} > {log} 2>&1"
+        "python -m pipeline.cli costs {params.overrides:q} > {log:q} 2>&1"
 
 
 rule costs_eager:
@@ -33,4 +33,4 @@ rule costs_eager:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.cli costs {params.overrides:q} > {log} 2>&1"
+        "python -m pipeline.cli costs {params.overrides:q} > {log:q} 2>&1"

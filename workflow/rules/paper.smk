@@ -27,5 +27,5 @@ rule paper:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.tools.paper --no-run {params.overrides:q} > {log} 2>&1 && "
-        "python -m pipeline.stages.report.html table {output.tables:q} >> {log} 2>&1"
+        "python -m pipeline.tools.paper --no-run {params.overrides:q} > {log:q} 2>&1 && "
+        "python -m pipeline.stages.report.html table {output.tables:q} >> {log:q} 2>&1"

@@ -34,5 +34,5 @@ rule report:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.cli report {params.overrides:q} > {log} 2>&1 && "
-        "python -m pipeline.stages.report.html runs {output.runs:q} {params.page:q} >> {log} 2>&1"
+        "python -m pipeline.cli report {params.overrides:q} > {log:q} 2>&1 && "
+        "python -m pipeline.stages.report.html runs {output.runs:q} {params.page:q} >> {log:q} 2>&1"

@@ -7,6 +7,9 @@
 # `world` defaults to the size of the --config mesh. The runs are planned by
 # `python -m pipeline.tools.shapes` in the ordinary results tree (one shared trace, stages
 # reused as by `python -m pipeline`); outputs in <results_dir>/shapes/<model>-<h8>/w<N>-d<K>/.
+# A shape that fails is a row of the table (status failed, its reason) and the tool exits
+# 1 after writing every output: the table is this rule's result, so exit status 1 is a
+# finished job (the summary is at the end of shapes.log); any other status fails it.
 
 from pipeline.tools.shapes import OUTPUT_FILES, code_hash as shapes_code_hash, shapes_request
 
@@ -30,4 +33,4 @@ if SHAPES is not None:
         conda:
             CONDA_ENV
         shell:
-            "python -m pipeline.tools.shapes {params.args:q} > {log} 2>&1"
+            "python -m pipeline.tools.shapes {params.args:q} > {log:q} 2>&1 || [ $? -eq 1 ]"

@@ -13,4 +13,4 @@ rule solve:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.cli solve {params.overrides:q} > {log} 2>&1"
+        "python -m pipeline.cli solve {params.overrides:q} > {log:q} 2>&1"

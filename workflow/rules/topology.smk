@@ -13,4 +13,4 @@ rule topology:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.cli topology {params.overrides:q} > {log} 2>&1"
+        "python -m pipeline.cli topology {params.overrides:q} > {log:q} 2>&1"

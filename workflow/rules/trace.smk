@@ -11,4 +11,4 @@ rule trace:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.cli trace {params.overrides:q} > {log} 2>&1"
+        "python -m pipeline.cli trace {params.overrides:q} > {log:q} 2>&1"

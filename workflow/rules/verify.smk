@@ -19,4 +19,4 @@ rule verify:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.verify {params.overrides:q} > {log} 2>&1"
+        "python -m pipeline.verify {params.overrides:q} > {log:q} 2>&1"

@@ -20,6 +20,8 @@ Errors: ``ValueError`` for malformed MRFs (shape mismatch, NaN, ``-inf``);
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import time
 from pathlib import Path
@@ -28,13 +30,16 @@ import numpy as np
 
 from pipeline.solvers.errors import FractionalRelaxationError, InfeasibleError
 from pipeline.solvers.ilp.cbc import CBC_HARD_LIMIT_FACTOR, parse_cbc_log, solve_cbc
+from pipeline.solvers.ilp.fallback import fallback_result, plan_problem, violated_rows
 from pipeline.solvers.ilp.highs import solve_highs, write_mps
 from pipeline.solvers.ilp.interrupts import signals_raise
 from pipeline.solvers.ilp.model import INTEGRALITY_TOL, BackendOutcome, IlpModel, build_model
-from pipeline.solvers.mrf import MRF, row_value
+from pipeline.solvers.mrf import MRF
 from pipeline.solvers.options import BACKENDS, IlpOptions, LpOptions
 from pipeline.solvers.result import SolverResult
-from pipeline.solvers.status import INFEASIBLE, NOT_SOLVED, OPTIMAL
+from pipeline.solvers.status import FEASIBLE_TIME_LIMIT, INFEASIBLE, NOT_SOLVED, OPTIMAL
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "BACKENDS",
@@ -76,20 +81,8 @@ def solve_model(model: IlpModel, backend: str, *, relax: bool, time_limit_s: flo
 _solve_model = solve_model
 
 
-def _check_labels(mrf: MRF, labels: np.ndarray, tol: float = 1e-6) -> list[str]:
-    """Names of linear constraints violated by more than ``tol`` (relative): a check
-    of the backend's answer at its own feasibility tolerance."""
-    bad = []
-    for lc in mrf.linear_constraints:
-        val = row_value(lc, labels)
-        scale = tol * max(
-            1.0,
-            abs(lc.low) if math.isfinite(lc.low) else 1.0,
-            abs(lc.high) if math.isfinite(lc.high) else 1.0,
-        )
-        if val < lc.low - scale or val > lc.high + scale:
-            bad.append(lc.name)
-    return bad
+#: The former name of :func:`pipeline.solvers.ilp.fallback.violated_rows`.
+_check_labels = violated_rows
 
 
 def solve_ilp(
@@ -102,6 +95,7 @@ def solve_ilp(
     threads: int = 1,
     mps_path: str | Path | None = None,
     msg: bool = False,
+    fallback: SolverResult | None = None,
 ) -> SolverResult:
     """Solve the MRF exactly as an integer program (or its LP relaxation).
 
@@ -118,10 +112,16 @@ def solve_ilp(
         mps_path: if given, the full model (integer unless ``relax``) is
             written there as MPS, names as in the module docstring.
         msg: print the backend log.
+        fallback: a plan found before (the TRW-S plan of the pruning step): when
+            the backend stops without an incumbent that is a plan (a time limit, an
+            incumbent with a forbidden entry or a violated row), the result is this
+            plan, status ``"Heuristic"``, with the better of both lower bounds
+            (:mod:`pipeline.solvers.ilp.fallback`).
 
     Returns:
         :class:`SolverResult` with ``labels`` int64 ``[G]`` (all ``-1`` when
-        ``status == "Not Solved"``), ``objective = mrf.evaluate(labels)`` (µs,
+        ``status == "Not Solved"``: stopped without a plan and without a usable
+        ``fallback``), ``objective = mrf.evaluate(labels)`` (µs,
         ``+inf`` when not solved), ``lower_bound`` (µs; the objective for an
         ``"Optimal"`` run with ``mip_gap == 0``, else the backend's dual bound;
         ``-inf`` if none), ``lower_bound_source`` ``"ilp"`` or ``"lp"``,
@@ -142,12 +142,14 @@ def solve_ilp(
             fractional.
     """
     return _solve(mrf, backend=backend, relax=relax, time_limit_s=time_limit_s,
-                  mip_gap=mip_gap, threads=threads, mps_path=mps_path, msg=msg)
+                  mip_gap=mip_gap, threads=threads, mps_path=mps_path, msg=msg,
+                  fallback=fallback)
 
 
 def _solve(mrf: MRF, *, backend: str, relax: bool, time_limit_s: float | None,
            mip_gap: float, threads: int, mps_path: str | Path | None, msg: bool,
-           accept_fractional: bool = False) -> SolverResult:
+           accept_fractional: bool = False, fallback: SolverResult | None = None
+           ) -> SolverResult:
     """:func:`solve_ilp`; ``accept_fractional`` (``relax`` only): a fractional LP
     optimum gives a bound-only result instead of an error (:class:`LpOptions`)."""
     if backend not in BACKENDS:
@@ -187,10 +189,16 @@ def _solve(mrf: MRF, *, backend: str, relax: bool, time_limit_s: float | None,
             "the forbidden entries and linear constraints"
         )
     source = "lp" if relax else "ilp"
+    if out.status == FEASIBLE_TIME_LIMIT and not relax:
+        # a stopped run's incumbent is used only when it is a plan (fallback.py)
+        problem = plan_problem(mrf, model.labels_from_x(out.col_value))
+        if problem is not None:
+            extra["incumbent_rejected"] = problem
+            out = dataclasses.replace(out, status=NOT_SOLVED, col_value=None)
     if out.status == NOT_SOLVED:
         labels = np.full(model.num_groups, -1, dtype=np.int64)
         bound = out.dual_bound if math.isfinite(out.dual_bound) else -math.inf
-        return SolverResult(
+        stopped = SolverResult(
             labels=labels,
             objective=math.inf,
             lower_bound=bound,
@@ -201,6 +209,16 @@ def _solve(mrf: MRF, *, backend: str, relax: bool, time_limit_s: float | None,
             solve_seconds=time.perf_counter() - t_start,
             extra=extra,
         )
+        why = extra.get("incumbent_rejected") or "no incumbent"
+        planned = None if fallback is None else fallback_result(mrf, fallback, stopped, why)
+        if planned is None:
+            return stopped
+        how = extra.get("highs_model_status") or extra.get("cbc_result") or NOT_SOLVED
+        log.warning("%s (%s) stopped without a plan (%s; %s): the %s plan found before, "
+                    "status %s, objective %.3f bound %.3f", source, backend, how, why,
+                    planned.extra["fallback"], planned.status, planned.objective,
+                    planned.lower_bound)
+        return planned
     labels = model.labels_from_x(out.col_value)
     if relax:
         frac = model.fractionality(out.col_value)
@@ -287,7 +305,8 @@ def solve(mrf: MRF, options: IlpOptions | None = None) -> SolverResult:
     """The solver protocol for ``ilp``: :func:`solve_ilp` with ``options``."""
     o = options if options is not None else IlpOptions()
     return _solve(mrf, backend=o.backend, relax=False, time_limit_s=o.time_limit_s,
-                  mip_gap=o.mip_gap, threads=o.threads, mps_path=o.mps_path, msg=o.msg)
+                  mip_gap=o.mip_gap, threads=o.threads, mps_path=o.mps_path, msg=o.msg,
+                  fallback=o.fallback)
 
 
 def solve_lp(mrf: MRF, options: LpOptions | None = None) -> SolverResult:
@@ -296,4 +315,4 @@ def solve_lp(mrf: MRF, options: LpOptions | None = None) -> SolverResult:
     o = options if options is not None else LpOptions()
     return _solve(mrf, backend=o.backend, relax=True, time_limit_s=o.time_limit_s,
                   mip_gap=0.0, threads=o.threads, mps_path=o.mps_path, msg=o.msg,
-                  accept_fractional=o.accept_fractional)
+                  accept_fractional=o.accept_fractional, fallback=o.fallback)

@@ -55,10 +55,12 @@ from pipeline.core.artifacts import (  # noqa: F401 - file names, re-exported
     SOLUTION,
     SOLUTION_FILE,
 )
+from pipeline.core.errors import PlanError
 from pipeline.core.ir import load_nodes, read_graph
 from pipeline.costmodel.breakdown import plan_breakdown
 from pipeline.costmodel.factors import PARALLEL_MIN_WORK, group_structure
 from pipeline.plan.format import build_plan, write_plan
+from pipeline.solvers.ilp.fallback import no_plan_message
 from pipeline.solvers.lagrangian import allowed_unaries
 from pipeline.stages.costs.stage import Costs, load_costs
 from pipeline.stages.topology import TopologyTables, find_logits, read_topology
@@ -222,7 +224,7 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
     solver = get_solver(str(s.name))
     if not solver.exact:  # approx: no presolve
         return _approx(cfg, mrf, label_bounds=bool(cfg.optimality_check and s.prune), fp=fp), None
-    presolve = None
+    presolve = first = None
     if bool(s.prune):
         from pipeline.solvers.errors import NoFeasibleLabelingError
 
@@ -234,7 +236,10 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
         mrf, presolve = _pruned(mrf, first)
         if presolve is not None:
             presolve["seconds"] = time.perf_counter() - start
-    result = solver.solve(mrf, solver.options(s, mps_path=out_dir / "model.mps"))
+    # stopped without a plan (time limit): TRW-S's plan, Heuristic (solvers/ilp/fallback.py)
+    result = solver.solve(mrf, solver.options(s, mps_path=out_dir / "model.mps", fallback=first))
+    if not math.isfinite(result.objective):
+        raise PlanError(no_plan_message(str(s.name), result, s.time_limit_s, bool(s.prune)))
     return result, presolve
 
 
