@@ -181,22 +181,21 @@ def test_toy_sweep_end_to_end(jobs, toy_results, tmp_path_factory) -> None:
 
 @pytest.mark.slow
 @pytest.mark.toy_runs(("mesh=8", "lazy_costs=true"))
-def test_a_shape_the_planner_refuses_is_a_failed_row(toy_results, tmp_path: Path,
-                                                     capsys) -> None:
+def test_a_shape_the_planner_refuses_is_a_not_applicable_row(toy_results, tmp_path: Path,
+                                                             capsys) -> None:
     """32 devices on one dim: the default input placement S(0) would shard the toy batch
-    of 16 over 32 devices: the row says why (naming model.batch_size), the sweep
-    completes, ends with its summary and exits 1."""
+    of 16 over 32 devices: the row is 'not applicable' and says why (naming
+    model.batch_size); the sweep completes and, as no shape planned, exits 1."""
     results = tmp_path / "results"
     toy_results.copy_run(results, "mesh=8", "lazy_costs=true", upto="trace")  # the trace
     assert shapes.main(["world=32", "max_dims=1", "model=toy", f"results_dir={results}"]) == 1
     out, err = capsys.readouterr()
     assert "1 shapes, 1 not planned, none planned" in out
-    assert err.splitlines()[-2] == "shapes: planned 1, ok 0, failed 1"
-    assert err.splitlines()[-1].startswith(
-        "failed: mesh=32 mesh_names=[dp]: model.batch_size=16: the inputs are sharded")
+    assert err.splitlines()[-2:] == ["shapes: planned 0, ok 0, failed 0",
+                                     "shapes: none of the 1 shapes planned"]
     (out,) = list((results / "shapes").glob("toy-*/w32-d1"))
     table = pd.read_parquet(out / "shapes.parquet")
-    assert list(table["mesh"]) == ["32"] and list(table["status"]) == ["failed"]
+    assert list(table["mesh"]) == ["32"] and list(table["status"]) == ["not applicable"]
     assert table["objective"].isna().all()
     assert table["error"][0].startswith(
         "model.batch_size=16: the inputs are sharded on mesh dims dp (32)")

@@ -75,6 +75,9 @@ SHAPE_MESH_NAMES: dict[int, tuple[str, ...]] = {
 MAX_DIMS_ALLOWED = max(SHAPE_MESH_NAMES)
 #: Default number of mesh dims.
 DEFAULT_MAX_DIMS = 3
+
+#: Table status of a shape whose inputs cannot be sharded as asked (not a failure).
+NOT_APPLICABLE = "not applicable"
 #: The sweep's own keys (everything else is a Hydra override of each run).
 SWEEP_KEYS: tuple[str, ...] = ("world", "max_dims")
 #: Files of a sweep, in write order (the figure last: it is the Snakemake sentinel).
@@ -296,7 +299,9 @@ def run_shapes(sweep: ShapeSweep) -> Any:
     ``S(0)`` on a first dim larger than the batch, or one of
     :data:`pipeline.stages.runner.USER_ERRORS`, e.g. no plan within the memory limit) is a row with
     status ``failed`` and the one-line reason in ``error``, after every planned shape;
-    the sweep goes on. So is a shape that fails with any other error (the reason then
+    the sweep goes on. A shape whose inputs cannot be sharded as asked is a row with
+    status ``not applicable`` (a shape the model cannot use, not a failure: it does not
+    count in the exit status). So is a shape that fails with any other error (the reason then
     starts with the error's type, and its traceback is logged): the other shapes still
     run and the sweep ends with a summary and exit status 1 (:func:`main`).
     """
@@ -304,6 +309,7 @@ def run_shapes(sweep: ShapeSweep) -> Any:
     from pipeline.stages.runner import USER_ERRORS, run_stage
 
     failed: dict[tuple[int, ...], str] = {}
+    inapplicable: set[tuple[int, ...]] = set()
     for i, cfg in enumerate(sweep.configs, 1):
         dirs = stage_dirs(cfg)
         shape = tuple(int(d) for d in cfg.mesh)
@@ -311,6 +317,12 @@ def run_shapes(sweep: ShapeSweep) -> Any:
                  ",".join(cfg.mesh_names))
         try:
             _check_inputs(cfg)
+        except ConfigError as err:
+            failed[shape] = one_line(err)
+            inapplicable.add(shape)
+            log.info("shape %s: not applicable: %s", mesh_label(shape), failed[shape])
+            continue
+        try:
             for stage in _RUN_STAGES:
                 run_stage(stage, cfg, dirs)
         except (*USER_ERRORS, ConfigError) as err:
@@ -324,17 +336,19 @@ def run_shapes(sweep: ShapeSweep) -> Any:
         ensure_plan_picture(dirs.solve)
     run_stage("report", sweep.configs[0], stage_dirs(sweep.configs[0]))
     table = shape_table([stage_dirs(c).solve for c in sweep.configs
-                         if tuple(int(d) for d in c.mesh) not in failed], failed)
+                         if tuple(int(d) for d in c.mesh) not in failed], failed, inapplicable)
     write_outputs(table, sweep)
     return table
 
 
 def shape_table(solve_dirs: Sequence[Path],
-                failed: dict[tuple[int, ...], str] | None = None) -> Any:
+                failed: dict[tuple[int, ...], str] | None = None,
+                inapplicable: set[tuple[int, ...]] = frozenset()) -> Any:
     """One row per run (its ``run.json``), best objective first (ties: fewer dims, then
     the mesh label), then one row per shape in ``failed`` (status ``failed``, the reason
-    in ``error``); ``rank`` from 1. ``step_time_us`` is a column only when some run
-    record has it, ``error`` only when a shape failed."""
+    in ``error``; ``not applicable`` for a shape in ``inapplicable``); ``rank`` from 1.
+    ``step_time_us`` is a column only when some run record has it, ``error`` only when a
+    shape failed."""
     import pandas as pd
 
     rows = []
@@ -357,7 +371,8 @@ def shape_table(solve_dirs: Sequence[Path],
         rows.append({"mesh": mesh_label(shape), "mesh_names": names,
                      "dims": len(shape), "objective": math.nan, "step_time_us": None,
                      "compute_us": None, "comm_us": None, "transition_us": None,
-                     "status": "failed", "gap": None, "placement_hash": None, "run_id": None,
+                     "status": NOT_APPLICABLE if shape in inapplicable else "failed",
+                     "gap": None, "placement_hash": None, "run_id": None,
                      "solve_dir": None, "error": reason})
     for i, r in enumerate(rows, 1):
         r["rank"] = i
@@ -479,12 +494,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
         return 2
-    planned = table[table["status"] != "failed"]
+    planned = table[~table["status"].isin(["failed", NOT_APPLICABLE])]
     best = (f"best {planned.iloc[0]['mesh']} ({planned.iloc[0]['objective']:,.3f} µs)"
             if len(planned) else "none planned")
     print(f"shapes: {len(table)} shapes, {len(table) - len(planned)} not planned, {best} "
           f"-> {sweep.out_dir}")
     lines = summary_lines(*sweep_outcomes(sweep, table), what="shapes")
+    if not len(planned):  # not one shape planned, even if none failed: not a result
+        lines.append(f"shapes: none of the {len(table)} shapes planned")
     for line in lines:
         print(line, file=sys.stderr)
     return 0 if len(lines) == 1 else 1
@@ -492,17 +509,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def sweep_outcomes(sweep: ShapeSweep, table: Any) -> tuple[list[str], dict[int, PointOutcome]]:
     """The shapes of the sweep as points (their ``mesh``/``mesh_names`` overrides, in the
-    sweep's order) and how each ended, from the table's ``status`` and ``error``."""
+    sweep's order, shapes that are not applicable left out) and how each ended, from the
+    table's ``status`` and ``error``."""
     errors = {str(m): (str(e) if s == "failed" else None)
               for m, s, e in zip(table["mesh"], table["status"],
                                  table["error"] if "error" in table.columns
-                                 else [None] * len(table), strict=True)}
+                                 else [None] * len(table), strict=True)
+              if s != NOT_APPLICABLE}
+    skipped = {str(m) for m, s in zip(table["mesh"], table["status"], strict=True)
+               if s == NOT_APPLICABLE}
     points, outcomes = [], {}
-    for i, cfg in enumerate(sweep.configs):
+    for cfg in sweep.configs:  # a shape that is not applicable is not a point
         shape = tuple(int(d) for d in cfg.mesh)
+        if mesh_label(shape) in skipped:
+            continue
         points.append(" ".join(shape_overrides(shape)))
         if mesh_label(shape) in errors:
-            outcomes[i] = PointOutcome(points[-1], errors[mesh_label(shape)])
+            outcomes[len(points) - 1] = PointOutcome(points[-1], errors[mesh_label(shape)])
     return points, outcomes
 
 
