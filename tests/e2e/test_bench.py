@@ -22,7 +22,7 @@ from fixtures import SEED, own_jobs_dir
 
 from pipeline.tools import bench
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED_COLUMNS = {
     "model", "n_layers", "mesh", "solver", "backend", "cost_mode", "nodes", "groups",
@@ -40,7 +40,7 @@ def run_bench(cwd: Path, *args: str, timeout: float = 900) -> subprocess.Complet
                           capture_output=True, text=True, timeout=timeout)
 
 
-#: The smoke suite runs as a background job of the session (tests/fixtures.py).
+#: The smoke suite runs as a background job of the session (tests/support/fixtures.py).
 OWN_JOBS = {"bench-smoke": ("test_smoke_suite_fresh",)}
 
 

@@ -108,7 +108,7 @@ def test_html_report_shows_every_table_and_figure(tmp_path, toy_results):
     # a plan picture where none was drawn: the report lists every runs/**/plan.png
     solve_dirs = sorted(p.parent for p in results.glob("runs/**/run.json"))
     if not list(results.glob("runs/**/plan.png")):
-        shutil.copy(Path(__file__).parent.parent / "docs" / "figures" / "fig_depth.png",
+        shutil.copy(Path(__file__).resolve().parents[2] / "docs" / "figures" / "fig_depth.png",
                     solve_dirs[0] / "plan.png")
     config = ["--config", "model=toy", "mesh=2,4", f"experiment={NAME}",
               f"results_dir={results}"]

@@ -18,50 +18,12 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from fixtures import ToyResults, snakemake
-from omegaconf import OmegaConf
+from paper_runs import GIT, synthetic_runs
 
 from pipeline.config import ConfigError, config_hash, load_resolved, stage_dirs
 from pipeline.tools import paper
 
-ROOT = Path(__file__).resolve().parent.parent
-GIT = "0123456789abcdef0123456789abcdef01234567"
-
-
-# --------------------------------------------------------------------------- synthetic runs
-
-
-def synthetic_phases(cfg) -> dict[str, float]:
-    """Known phase seconds: eager builds factors in cost_build, lazy in factor_build;
-    trace grows with depth; ilp solves slower."""
-    lazy = bool(cfg.lazy_costs)
-    p = {"trace": 2.0 * cfg.model.n_layers, "topology": 1.0,
-         "cost_build": 0.5 if lazy else 6.0, "factor_build": 3.0 if lazy else 0.0,
-         "solve": 2.0 if cfg.solver.name == "approx" else 9.0}
-    p["search_total"] = sum(p.values())
-    return p
-
-
-def synthetic_runs(exp: paper.Experiment) -> pd.DataFrame:
-    """One runs.parquet-like row per run of ``exp`` with known values."""
-    rows = []
-    for i, run in enumerate(exp.runs()):
-        cfg = run.cfg
-        lazy = bool(cfg.lazy_costs)
-        ilp = cfg.solver.name == "ilp"
-        rows.append({
-            "run_id": f"{i:08x}", "solve_dir": str(stage_dirs(cfg).solve),
-            "model": cfg.model.name, "mesh": "x".join(map(str, cfg.mesh)),
-            "hardware": cfg.hardware.name, "cost_mode": "lazy" if lazy else "eager",
-            "solver": cfg.solver.name, "status": "Optimal" if ilp else "Heuristic",
-            "objective": 2000.0 + 100.0 * len(cfg.mesh), "gap": 0.0 if ilp else 0.0125,
-            "certified": ilp,
-            **{f"phases.{k}": v for k, v in synthetic_phases(cfg).items()},
-            "peak_rss_bytes.max": (400 if lazy else 1000) * 2**20,
-            "git.revision": GIT, "git.dirty": False, "revision_label": None,
-            "config_json": json.dumps(OmegaConf.to_container(cfg, resolve=True),
-                                      sort_keys=True),
-        })
-    return pd.DataFrame(rows)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 multirun with ``hydra/launcher=slurm`` (submitit) on a real cluster, every job through
 ``sbatch`` (``sacct`` lists it), the same placement hashes as local runs.
 
-The cluster is the one-node cluster of ``tests/slurm/start-cluster.sh`` (``.ci/run``
+The cluster is the one-node cluster of ``tests/support/slurm/start-cluster.sh`` (``.ci/run``
 starts it before the tests and stops it after them). Without a cluster the tests fail,
 with the reason; ``PLANNER_SKIP_SLURM=1`` skips them (a developer's machine). Both sweeps
 are toy, meshes 8 and 2x4, solvers approx and ilp, into fresh results directories; they
@@ -29,7 +29,7 @@ from pipeline.config import load_resolved, stage_dirs
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 SKIP_ENV = "PLANNER_SKIP_SLURM"
-#: The log .ci/run keeps of tests/slurm/start-cluster.sh (its last line is the reason).
+#: The log .ci/run keeps of tests/support/slurm/start-cluster.sh (its last line is the reason).
 START_LOG_ENV = "PLANNER_SLURM_START_LOG"
 TIMEOUT_S = 900
 
@@ -72,7 +72,7 @@ def cluster() -> None:
             lines = Path(log).read_text().strip().splitlines()
             problem += f"; start-cluster.sh said: {lines[-1] if lines else '(nothing)'}"
         pytest.fail(f"live SLURM test: {problem}. Start a cluster with "
-                    f"tests/slurm/start-cluster.sh (root), or set {SKIP_ENV}=1 to skip",
+                    f"tests/support/slurm/start-cluster.sh (root), or set {SKIP_ENV}=1 to skip",
                     pytrace=False)
 
 

@@ -27,7 +27,7 @@ from pipeline.config import (
 )
 from pipeline.stages.runner import SENTINELS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
 SWEEP = ["lazy_costs=true,false", "mesh=8,2x4"]
 RUN_STAGES = ("trace", "topology", "costs", "solve")

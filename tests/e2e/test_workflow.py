@@ -14,14 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from bad_configs import BAD_CASES
 from fixtures import SNAKEFILE, snakemake
-from test_config import BAD_CASES
 
 from pipeline.config import STAGES, load_resolved, overrides_from_snakemake, stage_dirs
 from pipeline.core.artifacts import stage_outputs
 from pipeline.stages.runner import SENTINELS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: The rules of a run. The costs stage has one rule per cost mode (with eager costs it
 #: also writes factors.npz, and a rule's outputs cannot depend on a wildcard).
 LAZY_RULES = {"trace", "topology", "costs_lazy", "solve", "report"}

@@ -24,7 +24,7 @@ from pipeline.config import load_resolved, stage_dirs
 from pipeline.solvers.lagrangian import repair, row_value, solve_with_row, tighten
 from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: The two mesh-8 runs of ``dp8`` (default budget, no budget), from the shared results.
 DP8_RUNS = (("mesh=8", "lazy_costs=true"),

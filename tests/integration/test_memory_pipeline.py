@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.config import load_resolved, stage_dirs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ("model=toy", "mesh=8", "constraints.param_memory=null")
 
 

@@ -7,7 +7,7 @@ out here or by torch itself:
 
 1. lazy and eager give the same objective and placement hash on every mesh;
 2. every chosen strategy of an aten op is accepted by DTensor's own sharding
-   propagation (the checker of tests/test_pipeline.py);
+   propagation (the checker of tests/integration/test_pipeline.py);
 3. repeated layers: the groups (and their labels) do not depend on depth (2 vs 4 layers);
 4. tied weights (GPT-2's ``lm_head.weight is transformer.wte.weight``, BERT's decoder,
    the custom example's head): one placeholder, one placement, one gradient, the memory
@@ -37,7 +37,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MESHES = ["8", "2x4", "2x4x8"]
 WORKERS = int(os.environ.get("PIPELINE_TEST_WORKERS", "2"))
 JOB_TIMEOUT = float(os.environ.get("PIPELINE_TEST_JOB_TIMEOUT", "1200"))

@@ -19,7 +19,7 @@ bookkeeping (``solution.parquet``'s cost columns, ``CostModel``, ``plan_breakdow
    status, placement hash, counts, phases, peak RSS);
 7. the approx path never imports PuLP (lazy or eager).
 
-The toy runs are the session's shared ones (``toy_results``, tests/fixtures.py: one
+The toy runs are the session's shared ones (``toy_results``, tests/support/fixtures.py: one
 ``python -m pipeline`` subprocess per config, ``PYTHONHASHSEED`` fixed, queued at session
 start in test order); the few runs of this file alone (another hash seed, a fresh
 process watching its imports, llama1b's topology) go through the same pool with their
@@ -754,7 +754,7 @@ class DTensorChecker:
             return "ok-strategy-fn", f"propagation prefers {got} <- {wanted}"
         if self._is_extra(node, output, inputs):
             # context-parallel attention / vocab-parallel cross-entropy: not DTensor's,
-            # exact by tests/test_strategies_cp_loss.py
+            # exact by tests/unit/test_strategies_cp_loss.py
             return "extra", f"pipeline/stages/topology/extra_strategies.py ({got} <- {wanted})"
         return "bad", (f"propagation gives {got} and wants inputs {wanted}; strategy "
                        f"function: {detail}")

@@ -17,7 +17,7 @@ import pytest
 from pipeline.config import load_resolved
 from pipeline.tools import profile
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(*argv: str) -> list[str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from fixtures import ROOT, SNAKEFILE, child_env
+from fixtures import ROOT, SNAKEFILE, SUPPORT, child_env
 
 from pipeline.config import STAGES, ConfigError, load_resolved, stage_dirs
 from pipeline.core import artifacts
@@ -427,7 +427,7 @@ def _alive(pid: int) -> bool:
 def test_a_signal_during_a_cbc_solve_kills_cbc_and_removes_its_temp_dir(tmp_path, sig):
     env = child_env("1")
     env["TMPDIR"] = str(tmp_path)
-    proc = subprocess.Popen([sys.executable, "-c", CBC_SCRIPT.format(tests=str(ROOT / "tests"))],
+    proc = subprocess.Popen([sys.executable, "-c", CBC_SCRIPT.format(tests=str(SUPPORT))],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         kids: list[int] = []
@@ -479,7 +479,7 @@ def test_a_signal_during_a_highs_solve_cancels_it_and_leaves_no_temp_file(tmp_pa
     the model file written (atomically, before the solve) and no ``.model.*.mps`` temp."""
     mps = tmp_path / "model.mps"
     proc = subprocess.Popen([sys.executable, "-c",
-                             HIGHS_SCRIPT.format(tests=str(ROOT / "tests"), mps=str(mps))],
+                             HIGHS_SCRIPT.format(tests=str(SUPPORT), mps=str(mps))],
                             env=child_env("1"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:

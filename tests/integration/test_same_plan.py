@@ -45,7 +45,7 @@ HW = HardwareConfig()
 def flat(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     out = tmp_path_factory.mktemp("same-plan")
     subprocess.run([sys.executable, "-m", "pipeline", *MODEL, "mesh=64", "recipe=fsdp",
-                    f"results_dir={out}"], check=True, cwd=Path(__file__).parent.parent,
+                    f"results_dir={out}"], check=True, cwd=Path(__file__).resolve().parents[2],
                    capture_output=True)
     (run,) = out.glob("runs/*/64-*/*/lazy/*/run.json")
     strategy = pq.read_table(run.parent / "solution.parquet").column("strategy").to_numpy()

@@ -1,6 +1,6 @@
 """approx, ilp (HiGHS and CBC) and lp on the toy model at meshes 8, 2x4 and 2x4x8,
 through the real pipeline (trace, topology, eager and lazy costs, solve): the runs are
-the session's shared toy results (``python -m pipeline``, tests/fixtures.py); the 2x4x8
+the session's shared toy results (``python -m pipeline``, tests/support/fixtures.py); the 2x4x8
 cases and the unpruned 2x4 ILP (minutes) are ``slow``.
 
 * CBC and HiGHS find the same optimum (plans may differ on ties), and it is the

@@ -206,7 +206,7 @@ def user_dir(tmp_path, monkeypatch):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     shutil.copy(root / "examples" / "custom_model.py", tmp_path / "custom_model.py")
     (tmp_path / "indexed_model.py").write_text(_INDEXED_FILE)
     monkeypatch.syspath_prepend(str(tmp_path))

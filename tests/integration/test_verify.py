@@ -35,7 +35,7 @@ from fixtures import dtensor_planned
 
 from pipeline.config import load_resolved, stage_dirs
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ("model=toy", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2",
         "model.multiple_of=32", "model.vocab_size=64", "model.seq_len=16",

@@ -4,7 +4,7 @@ each executed with DTensor on gloo processes by ``pipeline.verify.run.verify``.
 
 One layer each (the trace dominates the time; a second layer adds no new op), width 12
 (GPT-2) and 16 (Mixtral: ``aten._grouped_mm`` wants 16-byte rows in bf16), vocabulary
-48, 8 sequences of 12 tokens, and the slow hardware of tests/test_verify.py, so the
+48, 8 sequences of 12 tokens, and the slow hardware of tests/integration/test_verify.py, so the
 plans shard (FSDP all-gathers, tensor-parallel partial sums). GPT-2's dropout is set
 to 0: a step that draws random masks cannot be compared (that refusal is tested too).
 

@@ -45,7 +45,9 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+#: tests/support (on sys.path: pyproject.toml ``pythonpath``) and the checkout above it.
+SUPPORT = Path(__file__).resolve().parent
+ROOT = SUPPORT.parents[1]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
 
 #: Concurrent pipeline subprocesses (the machine has 2 cores).
@@ -376,7 +378,7 @@ def dtensor_planned(redistributions: list[dict], mesh_shape: tuple[int, ...],
     run's ``redistributions.parquet``: a row's ``collectives`` as they are, except that a
     collective over a flattened group (``all_gather(dp+tp)``, priced as FSDP2 runs it)
     is replaced by the per-mesh-dim steps of DTensor's planner for that row's
-    placements (tests/dtensor_reference.py), which is what a plan executed with DTensor
+    placements (tests/support/dtensor_reference.py), which is what a plan executed with DTensor
     runs."""
     import collections
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MESHES = ("8", "2x4")
 SOLVERS = ("approx", "ilp")
 #: The four runs, in Hydra's job order (the last swept key varies fastest).

@@ -5,7 +5,7 @@ conf/hardware/h100.yaml: bf16 peak 989e12 FLOP/s, fp32 67e12, HBM 3.35e12 B/s, b
 efficiencies 0.7 (so effective 6.923e14 FLOP/s bf16 and 2.345e12 B/s), floor 7 µs;
 intra-node NVLink ring bus bandwidth 390e9 B/s + 30 µs per ring pass (all-reduce: two
 passes, 60 µs); one NIC 50e9 B/s, + 40 µs per ring pass across nodes. The link model for
-groups spanning nodes is tested by hand in tests/test_links.py.
+groups spanning nodes is tested by hand in tests/unit/test_links.py.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from pipeline.costmodel.redistribute import (
 from pipeline.dtensor.placements import parse_placements as pp
 
 aten = torch.ops.aten
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 H100_YAML = ROOT / "conf" / "hardware" / "h100.yaml"
 HBM_EFF = 3.35e12 * 0.7  # 2.345e12 B/s
 
@@ -639,7 +639,7 @@ def test_as_hardware_gives_the_group_values_as_plain_attributes():
     plain = as_hardware(hw)
     assert isinstance(plain, HardwareConfig) and as_hardware(plain) is plain
     assert hardware_key(plain) == hardware_key(hw)
-    h100 = Path(__file__).resolve().parent.parent / "conf" / "hardware" / "h100.yaml"
+    h100 = Path(__file__).resolve().parents[2] / "conf" / "hardware" / "h100.yaml"
     assert hardware_key(plain) == hardware_key(load_hardware(str(h100)))
     assert (plain.intra_node.bandwidth, plain.inter_node.latency_us) == (
         float(hw.intra_node.bandwidth), float(hw.inter_node.latency_us))

@@ -36,7 +36,7 @@ from pipeline.costmodel.comm import (
 from pipeline.costmodel.hardware import COLLECTIVES, HardwareConfig, LinkConfig, load_hardware
 from pipeline.stages import runner as cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PRESETS = ("a100", "h100", "h200", "b200")
 S = 64 * 1024 * 1024  # 67,108,864 B
 

@@ -419,7 +419,7 @@ def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) 
     from pipeline.solvers.trws import solve_trws
     from pipeline.stages.costs.stage import build_mrf, group_structure
 
-    hw = load_hardware(str(Path(__file__).resolve().parents[1] / "conf/hardware/h100.yaml"))
+    hw = load_hardware(str(Path(__file__).resolve().parents[2] / "conf/hardware/h100.yaml"))
     mrf = build_mrf(toy8, hw, lazy=True).mrf
     gs = group_structure(toy8)
     graph, opts = step_graph(toy8), MemoryOptions()
@@ -461,7 +461,7 @@ def test_checkpointing_pays_the_recomputed_forward_again(toy8: TopologyTables) -
     from pipeline.costmodel.redistribute import redistribute_us
     from pipeline.stages.costs.stage import build_mrf, group_structure, itemsize
 
-    hw = load_hardware(str(Path(__file__).resolve().parents[1] / "conf/hardware/h100.yaml"))
+    hw = load_hardware(str(Path(__file__).resolve().parents[2] / "conf/hardware/h100.yaml"))
     plain = build_mrf(toy8, hw, lazy=True, memory=MemoryOptions())
     full = build_mrf(toy8, hw, lazy=True, memory=MemoryOptions(checkpointing="full"))
     eager = build_mrf(toy8, hw, lazy=False, memory=MemoryOptions(checkpointing="full"))

@@ -9,7 +9,7 @@ import math
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_paper import synthetic_runs
+from paper_runs import synthetic_runs
 
 from pipeline.tools import paper
 

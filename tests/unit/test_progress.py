@@ -31,7 +31,7 @@ from pipeline.solvers.mrf import MRF, LinearConstraint, PairwiseFactor
 from pipeline.solvers.trws import solve_trws
 from pipeline.tools import bench
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class FakeTerminal(io.StringIO):
@@ -234,7 +234,7 @@ def _results(results: Path) -> list[tuple]:
     return out
 
 
-#: The same runs with stderr a pipe: a background job of the session (tests/fixtures.py,
+#: The same runs with stderr a pipe: a background job of the session (tests/support/fixtures.py,
 #: which leaves PIPELINE_PROGRESS out of a job's environment, as _child_env does).
 OWN_JOBS = {"progress-pipe": (
     "test_pipeline_shows_bars_on_a_terminal_only_and_the_plan_is_the_same",)}

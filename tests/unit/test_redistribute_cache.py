@@ -2,7 +2,7 @@
 
 * ``plan_greedy`` / ``plan_strided`` (our re-implementations of DTensor's greedy and
   graph planners) must give exactly the steps of DTensor's own planner
-  (``tests/dtensor_reference.py``: kind, mesh dim, order, placements before/after,
+  (``tests/support/dtensor_reference.py``: kind, mesh dim, order, placements before/after,
   divisors, reshuffle flags) for all pairs of placements.
 * ``redistribute_table`` must equal the element-wise ``redistribute_us`` bit for bit,
   whatever order tables are built in (records are shared across tables).

@@ -6,7 +6,7 @@ Kolmogorov 2006) for the level-batched implementation, and hand-worked
 numbers for a 2-group example and a frustrated triangle.
 
 The benchmark at the end is opt-in (``TRWS_BENCH=1``): it prints timings for
-the ~3000-group step-sized instance (tests/mrf_gen.py) and asserts nothing about speed.
+the ~3000-group step-sized instance (tests/support/mrf_gen.py) and asserts nothing about speed.
 """
 
 from __future__ import annotations

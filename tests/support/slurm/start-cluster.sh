@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A one-node SLURM cluster on this machine, with accounting, for the live SLURM test
-# (tests/test_slurm.py). Needs root.
+# (tests/e2e/test_slurm.py). Needs root.
 #
-#   tests/slurm/start-cluster.sh      # install (Debian packages), configure, start
-#   tests/slurm/stop-cluster.sh       # stop the daemons
+#   tests/support/slurm/start-cluster.sh      # install (Debian packages), configure, start
+#   tests/support/slurm/stop-cluster.sh       # stop the daemons
 #
 # Idempotent: a second call keeps what runs with an unchanged config. It installs
 # slurm-wlm, slurmdbd, munge and mariadb-server with apt-get (Debian bookworm: Slurm
@@ -87,7 +87,7 @@ put() {  # path mode owner: stdin -> path; changed=1 when the content differs
     install -m "$2" -o "$3" -g "$3" "$new" "$1"; rm -f "$new"
 }
 put "$DBD_CONF" 0600 slurm <<CONF_EOF
-# Written by tests/slurm/start-cluster.sh.
+# Written by tests/support/slurm/start-cluster.sh.
 AuthType=auth/munge
 DbdHost=localhost
 SlurmUser=slurm
@@ -100,7 +100,7 @@ StorageUser=slurm
 StoragePass=$DB_PASS
 CONF_EOF
 put "$CONF" 0644 root <<CONF_EOF
-# Written by tests/slurm/start-cluster.sh: a one-node cluster for the live SLURM test.
+# Written by tests/support/slurm/start-cluster.sh: a one-node cluster for the live SLURM test.
 ClusterName=$CLUSTER
 SlurmctldHost=localhost(127.0.0.1)
 SlurmUser=slurm

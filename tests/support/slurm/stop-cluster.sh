@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stop the daemons tests/slurm/start-cluster.sh started (slurmd, slurmctld, slurmdbd,
+# Stop the daemons tests/support/slurm/start-cluster.sh started (slurmd, slurmctld, slurmdbd,
 # MariaDB, munged), each by the pid it recorded. Idempotent; packages, configs and the
 # accounting database stay.
 set -uo pipefail
