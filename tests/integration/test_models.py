@@ -7,7 +7,7 @@ out here or by torch itself:
 
 1. lazy and eager give the same objective and placement hash on every mesh;
 2. every chosen strategy of an aten op is accepted by DTensor's own sharding
-   propagation (the checker of tests/integration/test_pipeline.py);
+   propagation (the checker of tests/support/dtensor_checker.py);
 3. repeated layers: the groups (and their labels) do not depend on depth (2 vs 4 layers);
 4. tied weights (GPT-2's ``lm_head.weight is transformer.wte.weight``, BERT's decoder,
    the custom example's head): one placeholder, one placement, one gradient, the memory
@@ -212,8 +212,7 @@ def test_lazy_and_eager_agree(model_jobs: ModelJobs, model: str) -> None:
 
 
 def _dtensor_check(dirs: dict[str, str]) -> tuple[int, list, list]:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_pipeline import DTensorChecker
+    from dtensor_checker import DTensorChecker
 
     from pipeline.stages.topology import read_topology
 

@@ -3,17 +3,22 @@ makes them, an in-process Snakemake runner, and the toy model's parameter shapes
 
 Toy results (:class:`ToyResults`, the ``toy_results`` fixture of ``conftest.py``): one
 results directory per pytest session holds the traces, topologies, costs and solves of
-the toy configs the tests read. Each config is made once, by ``python -m pipeline
-model=toy <overrides> results_dir=<shared>`` in a subprocess (``PYTHONHASHSEED`` fixed),
-and every test file that needs it reads the same artifacts. Configs share stages through
-the pipeline's own cache, so the whole session traces the toy model once, builds one
-topology per mesh and one cost directory per (mesh, cost mode).
+the toy configs the tests read. Each run is made once, by a subprocess that runs the
+stages trace .. solve of ``model=toy <overrides> results_dir=<shared>`` as ``python -m
+pipeline`` does (:data:`RUN_SCRIPT`; ``PYTHONHASHSEED`` fixed), and every test file that
+needs it reads the same artifacts. A run is one job whatever its spelling: the job's key
+is the run's resolved solve directory, so ``mesh=2x4`` and ``mesh=2x4
+mesh_names=[dp,tp]`` are one job. The report over the shared directory is not made (no
+test reads it: a test that needs a report makes its own over copies of the runs). Runs
+share stages through the pipeline's own cache, so the whole session traces the toy
+model once, builds one topology per mesh and one cost directory per (mesh, cost mode).
 
 Background jobs: a test declares the configs it reads with the ``toy_runs`` marker,
 e.g. ``@pytest.mark.toy_runs(("mesh={mesh}", "lazy_costs=true"))``, where ``{name}`` is
-filled from the test's parameters; a test module may also declare subprocesses of its
-own (``OWN_JOBS``, :func:`queue_own_jobs`). At the start of the session (conftest.py)
-every job of the selected tests is queued in the session's pool (:class:`Jobs`,
+filled from the test's parameters (``when=<callable>``: queued only if it returns true
+at the start of the session); a test module may also declare subprocesses of its own
+(``OWN_JOBS``, :func:`queue_own_jobs`). At the start of the session (conftest.py) every
+job of the selected tests is queued in the session's pool (:class:`Jobs`,
 :data:`WORKERS` at a time, in the order the tests need them), and the tests that read
 jobs run after the others, so that the jobs are made while the other tests run. A
 config nobody declared is made on first use.
@@ -22,7 +27,6 @@ The shared directory is read-only for tests: a test that writes (a stage rerun, 
 corrupted artifact, its own report) works on a copy (:meth:`ToyResults.copy_run`) or
 in a fresh directory of its own.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -37,9 +41,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +62,19 @@ JOB_TIMEOUT = float(os.environ.get("PIPELINE_TEST_JOB_TIMEOUT", "1200"))
 SEED = "1"
 #: The stages of one run, in order (the report aggregates runs; it is not copied).
 RUN_STAGES = ("trace", "topology", "costs", "solve")
+#: A toy job: ``python -c RUN_SCRIPT <results_dir> <overrides...>`` runs the stages of
+#: :data:`RUN_STAGES` of ``model=toy <overrides>`` as ``python -m pipeline`` does
+#: (``pipeline.__main__.run_pipeline``), without the report over the results directory.
+RUN_SCRIPT = """
+import sys
+from pipeline.__main__ import run_pipeline
+from pipeline.config import load_resolved
+from pipeline.stages.runner import configure_logging
+configure_logging()
+results_dir, *overrides = sys.argv[1:]
+run_pipeline(load_resolved(["model=toy", *overrides, f"results_dir={results_dir}"]),
+             report=False)
+"""
 
 # Parameter shapes of the toy model, in elements (float32 storage).
 TOY_PARAMS = (
@@ -214,8 +231,9 @@ class Jobs:
 
 @dataclass
 class ToyRun:
-    """One toy run of the shared directory: its overrides, resolved config, stage
-    directories, run record and plan (``solution.parquet`` rows, indexed by node id)."""
+    """One toy run of the shared directory: the overrides it was first asked for, its
+    resolved config, stage directories, run record and plan (``solution.parquet`` rows,
+    indexed by node id), and what tests derive from it (:meth:`memo`)."""
 
     overrides: tuple[str, ...]
     cfg: Any
@@ -223,6 +241,14 @@ class ToyRun:
     record: dict
     plan: list[dict]
     seconds: float
+    derived: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def memo(self, name: str, make: Callable[[], Any]) -> Any:
+        """``make()``, computed once per run and session under ``name`` (the run is
+        read-only, so what is derived from it stays valid)."""
+        if name not in self.derived:
+            self.derived[name] = make()
+        return self.derived[name]
 
     def solution(self) -> Any:
         """``solution.parquet`` as a pandas DataFrame."""
@@ -238,28 +264,35 @@ class ToyResults:
         self.root = root
         self.jobs = jobs
         self.cwd = root.parent
-        self._runs: dict[tuple[str, ...], ToyRun] = {}
+        self._resolved: dict[tuple[str, ...], Any] = {}  # spelling -> resolved config
+        self._runs: dict[str, ToyRun] = {}  # job key -> the finished run
 
     def cfg(self, *overrides: str, results_dir: Path | None = None) -> Any:
         """The resolved config of ``model=toy <overrides>`` in ``results_dir`` (default:
-        the shared directory)."""
+        the shared directory, each spelling resolved once)."""
         from pipeline.config import load_resolved
 
-        root = self.root if results_dir is None else results_dir
-        return load_resolved(["model=toy", *overrides, f"results_dir={root}"])
+        if results_dir is not None:
+            return load_resolved(["model=toy", *overrides, f"results_dir={results_dir}"])
+        if overrides not in self._resolved:
+            self._resolved[overrides] = load_resolved(
+                ["model=toy", *overrides, f"results_dir={self.root}"])
+        return self._resolved[overrides]
 
-    @staticmethod
-    def _key(overrides: tuple[str, ...]) -> str:
-        """The job key of a config: its overrides as given (queueing resolves nothing, so
-        spell one config one way: a second spelling is a second, all-reusing run)."""
-        return "toy " + " ".join(overrides)
+    def key(self, overrides: Sequence[str]) -> str:
+        """The job key of a config: its resolved solve directory, relative to the shared
+        directory (every spelling of one run is one job)."""
+        from pipeline.config import stage_dirs
+
+        solve = Path(stage_dirs(self.cfg(*overrides)).solve)
+        return "toy " + str(solve.relative_to(self.root))
 
     def prefetch(self, configs: Iterable[tuple[float, Sequence[str]]]) -> None:
         """Queue ``(priority, overrides)`` configs (see :class:`Jobs` for the order)."""
         for priority, overrides in configs:
-            self.jobs.submit(self._key(tuple(overrides)),
-                             [sys.executable, "-m", "pipeline", "model=toy", *overrides,
-                              f"results_dir={self.root}"], self.cwd, priority=priority)
+            self.jobs.submit(self.key(overrides),
+                             [sys.executable, "-c", RUN_SCRIPT, str(self.root), *overrides],
+                             self.cwd, priority=priority)
 
     def run(self, *overrides: str) -> ToyRun:
         """The finished run of ``model=toy <overrides>`` (made now if nobody started it)."""
@@ -267,17 +300,18 @@ class ToyResults:
 
         from pipeline.config import stage_dirs
 
-        if overrides not in self._runs:
+        key = self.key(overrides)
+        if key not in self._runs:
             self.prefetch([(-math.inf, overrides)])
-            res = self.jobs.result(self._key(overrides))
+            res = self.jobs.result(key)
             cfg = self.cfg(*overrides)
             dirs = stage_dirs(cfg)
             record = json.loads((Path(dirs.solve) / "run.json").read_text())
             rows = pq.read_table(Path(dirs.solve) / "solution.parquet").to_pylist()
             rows.sort(key=lambda r: r["node"])
             assert [r["node"] for r in rows] == list(range(len(rows)))
-            self._runs[overrides] = ToyRun(overrides, cfg, dirs, record, rows, res.seconds)
-        return self._runs[overrides]
+            self._runs[key] = ToyRun(overrides, cfg, dirs, record, rows, res.seconds)
+        return self._runs[key]
 
     def copy_run(self, dest: Path, *overrides: str, upto: str = "solve") -> Any:
         """Copy the artifacts of stages ``trace`` .. ``upto`` of one shared run into the
@@ -335,7 +369,8 @@ def reads_jobs(item: pytest.Item) -> bool:
 
 def toy_configs_of(items: Sequence[pytest.Item]) -> list[tuple[int, tuple[str, ...]]]:
     """(index of the test, config) of every config the ``toy_runs`` markers of ``items``
-    declare, parameters filled in; tests that are skipped or not run declare none."""
+    declare, parameters filled in; tests that are skipped or not run declare none, and
+    neither does a marker whose ``when()`` is false."""
     out = []
     for i, item in enumerate(items):
         xfail = item.get_closest_marker("xfail")
@@ -343,6 +378,9 @@ def toy_configs_of(items: Sequence[pytest.Item]) -> list[tuple[int, tuple[str, .
             continue
         params = item.callspec.params if hasattr(item, "callspec") else {}
         for mark in item.iter_markers("toy_runs"):
+            when = mark.kwargs.get("when")
+            if when is not None and not when():
+                continue
             for config in mark.args:
                 out.append((i, tuple(o.format(**params) for o in config)))
     return out
