@@ -1,14 +1,12 @@
 """Tests of the exact ILP / LP-relaxation solver (pipeline.solvers.ilp).
 
-The benchmark at the end is opt-in (``ILP_BENCH=1``): it prints build and
-solve times for a synthetic step-sized MRF and asserts nothing.
+Its build and solve times on the step-sized synthetic MRF are a benchmark, not a test:
+``python benchmarks/solvers_large.py ilp-highs ilp-cbc``.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import time
 
 import numpy as np
 import pytest
@@ -370,28 +368,6 @@ def test_time_limited_run_is_honest(backend):
             assert res.extra["pulp_status"] == (1, 2)
     elif res.status == NOT_SOLVED:
         assert (res.labels == -1).all() and res.objective == math.inf
-
-
-# -------------------------------------------------------------------------- benchmark
-
-
-@pytest.mark.skipif(os.environ.get("ILP_BENCH") != "1", reason="set ILP_BENCH=1 to run")
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_benchmark(backend, tmp_path):
-    t0 = time.perf_counter()
-    mrf = step_sized_mrf()
-    gen = time.perf_counter() - t0
-    res = solve_ilp(mrf, backend=backend, time_limit_s=120.0, mps_path=tmp_path / "b.mps")
-    ex = res.extra
-    print(
-        f"\n[ilp bench {backend}] G={mrf.num_groups} E={mrf.num_edges} gen={gen:.1f}s "
-        f"vars={ex['variables']} int={ex['integer_variables']} rows={ex['constraints']} "
-        f"nnz={ex['nonzeros']} build={ex['build_seconds']:.1f}s "
-        f"pass={ex.get('pass_seconds', float('nan')):.1f}s mps={ex['mps_seconds']:.1f}s "
-        f"backend={ex['backend_seconds']:.1f}s total={res.solve_seconds:.1f}s "
-        f"status={res.status} obj={res.objective:.1f} bound={res.lower_bound:.1f} "
-        f"gap={ex['mip_gap']:.3g}"
-    )
 
 
 def test_dominated_labels_are_dropped_exactly():

@@ -5,15 +5,13 @@ straightforward dense sequential TRW-S written below (one message at a time,
 Kolmogorov 2006) for the level-batched implementation, and hand-worked
 numbers for a 2-group example and a frustrated triangle.
 
-The benchmark at the end is opt-in (``TRWS_BENCH=1``): it prints timings for
-the ~3000-group step-sized instance (tests/support/mrf_gen.py) and asserts nothing about speed.
+Its timings on the ~3000-group step-sized instance (tests/support/mrf_gen.py) are a
+benchmark, not a test: ``python benchmarks/solvers_large.py trws``.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import time
 
 import numpy as np
 import pytest
@@ -24,7 +22,6 @@ from mrf_gen import (
     optimum,
     random_edges,
     random_mrf,
-    step_sized_mrf,
     tree_edges,
 )
 
@@ -641,36 +638,6 @@ def test_options_from_the_solver_config():
     with pytest.raises(ValueError, match="unknown ILP backend 'gurobi'"):
         registry.get_solver("ilp").options(SolverConfig(backend="gurobi", time_limit_s=None,
                                                         mip_gap=0.0, threads=1))
-
-
-# ------------------------------------------------------------------ benchmark (opt-in)
-
-
-@pytest.mark.skipif(os.environ.get("TRWS_BENCH") != "1", reason="set TRWS_BENCH=1")
-def test_benchmark_large_instance():
-    mrf = step_sized_mrf()
-    stamps = []
-    t0, c0 = time.perf_counter(), time.process_time()
-    res = solve_trws(
-        mrf,
-        max_iters=100,
-        tol=0.0,
-        local_search_rounds=0,
-        progress=lambda *a: stamps.append(time.process_time()),
-    )
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    per_iter = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
-    polished = solve_trws(mrf, max_iters=100, tol=0.0)
-    print(
-        f"\nTRW-S large instance: G={mrf.num_groups} E={mrf.num_edges} "
-        f"sum K={int(mrf.domain_sizes.sum())} order={res.extra['order']} "
-        f"levels={res.extra['levels']}\n"
-        f"  100 iterations: wall {wall:.2f} s, cpu {cpu:.2f} s "
-        f"(compile {res.extra['compile_seconds']:.2f} s, {per_iter * 1e3:.1f} ms/iteration cpu)\n"
-        f"  bound {res.lower_bound:.2f}  energy {res.objective:.2f}  gap {res.gap:.2e}\n"
-        f"  with local search: energy {polished.objective:.2f} gap {polished.gap:.2e} "
-        f"(polish {polished.extra['local_search_seconds']:.2f} s wall)"
-    )
 
 
 @pytest.mark.parametrize("big_table, chunk", [(1, 1), (1, 7), (9, 1 << 21)])
