@@ -3,10 +3,11 @@ makes them, an in-process Snakemake runner, and the toy model's parameter shapes
 
 Toy results (:class:`ToyResults`, the ``toy_results`` fixture of ``conftest.py``): one
 results directory per pytest session holds the traces, topologies, costs and solves of
-the toy configs the tests read. Each run is made once, by a subprocess that runs the
+the toy configs the tests read. Each run is made once, by a process that runs the
 stages trace .. solve of ``model=toy <overrides> results_dir=<shared>`` as ``python -m
-pipeline`` does (:data:`RUN_SCRIPT`; ``PYTHONHASHSEED`` fixed), and every test file that
-needs it reads the same artifacts. A run is one job whatever its spelling: the job's key
+pipeline`` does (:data:`RUN_SCRIPT`; ``PYTHONHASHSEED`` fixed; a fork of a warm
+interpreter that has imported the pipeline once, :mod:`warm`), and every test file
+that needs it reads the same artifacts. A run is one job whatever its spelling: the job's key
 is the run's resolved solve directory, so ``mesh=2x4`` and ``mesh=2x4
 mesh_names=[dp,tp]`` are one job. The report over the shared directory is not made (no
 test reads it: a test that needs a report makes its own over copies of the runs). Runs
@@ -48,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from warm import WarmPython
 
 #: tests/support (on sys.path: pyproject.toml ``pythonpath``) and the checkout above it.
 SUPPORT = Path(__file__).resolve().parent
@@ -75,6 +77,11 @@ results_dir, *overrides = sys.argv[1:]
 run_pipeline(load_resolved(["model=toy", *overrides, f"results_dir={results_dir}"]),
              report=False)
 """
+#: What the warm interpreter of the toy jobs imports once (:class:`Jobs`): the pipeline's
+#: entry point and its stages.
+WARM_MODULES = ("pipeline.__main__", "pipeline.stages.runner", "pipeline.stages.trace.stage",
+                "pipeline.stages.topology", "pipeline.stages.costs.stage",
+                "pipeline.stages.solve.stage")
 
 # Parameter shapes of the toy model, in elements (float32 storage).
 TOY_PARAMS = (
@@ -138,11 +145,14 @@ class JobResult:
 class Jobs:
     """Subprocesses of the session, each once per key, run :data:`WORKERS` at a time in
     order of priority (the index of the first test that needs the job; a job a test
-    waits for goes first)."""
+    waits for goes first). A ``warm`` job (``python -c <script> <args>``, the session's
+    hash seed) runs as a fork of the worker's warm interpreter (:mod:`warm`), which has
+    imported :data:`WARM_MODULES` once."""
 
     def __init__(self, workers: int = WORKERS) -> None:
         self.futures: dict[str, Future] = {}
-        self._specs: dict[str, tuple[list[str], Path, str]] = {}
+        self._specs: dict[str, tuple[list[str], Path, str, bool]] = {}
+        self._warm: dict[int, WarmPython] = {}  # worker thread id -> its warm interpreter
         self._started: set[str] = set()
         self._queue: list[tuple[float, int, str]] = []  # heap of (priority, seq, key)
         self._seq = itertools.count()
@@ -155,13 +165,16 @@ class Jobs:
             t.start()
 
     def submit(self, key: str, argv: Sequence[str], cwd: Path, seed: str = SEED,
-               priority: float = -math.inf) -> None:
+               priority: float = -math.inf, warm: bool = False) -> None:
         """Queue ``argv`` under ``key`` (a key runs once; submitting it again can only
-        raise its priority)."""
+        raise its priority). ``warm``: ``argv`` is ``[python, "-c", script, *args]``,
+        run in a warm interpreter (``seed`` must be :data:`SEED`)."""
+        if warm and (seed != SEED or list(argv[1:2]) != ["-c"]):
+            raise ValueError(f"job {key}: a warm job is python -c with seed {SEED}")
         with self._cv:
             if key not in self.futures:
                 self.futures[key] = Future()
-                self._specs[key] = (list(argv), cwd, seed)
+                self._specs[key] = (list(argv), cwd, seed, warm)
             if key not in self._started:
                 heapq.heappush(self._queue, (priority, next(self._seq), key))
                 self._cv.notify()
@@ -171,8 +184,8 @@ class Jobs:
         if it failed."""
         if key not in self._specs:
             raise KeyError(f"job {key} was never queued")
-        argv, cwd, seed = self._specs[key]
-        self.submit(key, argv, cwd, seed)
+        argv, cwd, seed, warm = self._specs[key]
+        self.submit(key, argv, cwd, seed, warm=warm)
         return self.futures[key].result()
 
     def _work(self) -> None:
@@ -192,7 +205,9 @@ class Jobs:
             except BaseException as err:  # noqa: BLE001 - handed to the test that waits
                 future.set_exception(err)
 
-    def _run(self, key: str, argv: list[str], cwd: Path, seed: str) -> JobResult:
+    def _run(self, key: str, argv: list[str], cwd: Path, seed: str, warm: bool) -> JobResult:
+        if warm:
+            return self._run_warm(key, argv, cwd)
         start = time.perf_counter()
         proc = subprocess.Popen(argv, cwd=cwd, env=child_env(seed), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
@@ -214,6 +229,27 @@ class Jobs:
                 f"{' '.join(argv[:10])}\n--- stderr (tail) ---\n{stderr[-4000:]}")
         return JobResult(key, stdout, stderr, seconds)
 
+    def _run_warm(self, key: str, argv: list[str], cwd: Path) -> JobResult:
+        """``argv`` (``python -c script *args``) in this worker's warm interpreter."""
+        start = time.perf_counter()
+        with self._cv:
+            if self._closed:
+                raise AssertionError(f"job {key}: the pool was closed")
+            server = self._warm.get(threading.get_ident())
+            if server is None:
+                server = WarmPython(child_env(SEED), list(WARM_MODULES))
+                self._warm[threading.get_ident()] = server
+        out = server.run(argv[2], argv[3:], cwd, JOB_TIMEOUT)
+        seconds = time.perf_counter() - start
+        if out.timed_out:
+            raise AssertionError(f"job {key} timed out after {JOB_TIMEOUT:.0f} s: "
+                                 f"{' '.join(argv[3:11])}")
+        if out.returncode != 0:
+            raise AssertionError(
+                f"job {key} failed (exit {out.returncode}) after {seconds:.0f} s: python -c "
+                f"<script> {' '.join(argv[3:11])}\n--- stderr (tail) ---\n{out.stderr[-4000:]}")
+        return JobResult(key, out.stdout, out.stderr, seconds)
+
     def close(self) -> None:
         """Drop the jobs not started; stop the ones still running (a test failed early)."""
         with self._cv:
@@ -222,6 +258,9 @@ class Jobs:
             for proc in self._procs:
                 if proc.poll() is None:
                     proc.terminate()
+            servers = list(self._warm.values())
+        for server in servers:
+            server.close()
         for t in self._threads:
             t.join()
 
@@ -292,7 +331,7 @@ class ToyResults:
         for priority, overrides in configs:
             self.jobs.submit(self.key(overrides),
                              [sys.executable, "-c", RUN_SCRIPT, str(self.root), *overrides],
-                             self.cwd, priority=priority)
+                             self.cwd, priority=priority, warm=True)
 
     def run(self, *overrides: str) -> ToyRun:
         """The finished run of ``model=toy <overrides>`` (made now if nobody started it)."""
