@@ -1,7 +1,18 @@
 """Session fixtures every test file may request: the subprocess pool and the shared toy
-results (see :mod:`fixtures`), and the order of the session: tests that read background
-jobs run after the others, so that the jobs (queued at session start) are made while
-the other tests run. Markers are declared in pyproject.toml."""
+results (see :mod:`fixtures`, tests/support/, on ``sys.path`` through pyproject.toml's
+``pythonpath``), and the order of the session.
+
+The suite runs as one session (``python -m pytest``: one collection, one pool, each toy
+run made once). Its order: the quick tests, then the slow ones (marked ``slow``), so
+that the quick tests' failures show first; in each part, tests that read background
+jobs come after the others, so that the jobs (queued when the session starts, in that
+order) are made while the other tests run. Markers are declared in pyproject.toml.
+
+Layout: tests/unit (one module or formula, by hand or against an oracle),
+tests/integration (stages together, ``python -m pipeline`` runs, the toy runs),
+tests/e2e (Snakemake end to end, the paper, sweeps, SLURM, the benchmark runner),
+tests/support (code that is not a test).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +22,15 @@ import pytest
 from fixtures import Jobs, ToyResults, queue_own_jobs, reads_jobs, toy_configs_of
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests that read background jobs last (a stable partition: each part keeps the
-    order pytest collected it in)."""
-    items[:] = [i for i in items if not reads_jobs(i)] + [i for i in items if reads_jobs(i)]
+    """Quick tests, then slow ones; in each part, the tests that read background jobs
+    last (a stable partition: each part keeps the order pytest collected and grouped it
+    in). ``trylast``: after pytest's own grouping of parametrized fixtures."""
+    def part(item: pytest.Item) -> int:
+        return 2 * (item.get_closest_marker("slow") is not None) + reads_jobs(item)
+
+    items.sort(key=part)
 
 
 @pytest.fixture(scope="session")

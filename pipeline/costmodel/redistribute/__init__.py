@@ -32,7 +32,7 @@ module             job
 Every public function takes an optional ``interner=``; without one the module-level
 :data:`DEFAULT_INTERNER` is used (the single place the caches live in a process;
 :func:`clear_caches` clears it). DTensor's own planner, the reference the planners
-are checked against, lives in the tests (``tests/dtensor_reference.py``).
+are checked against, lives in the tests (``tests/support/dtensor_reference.py``).
 
 The transition penalty of the pairwise factor (1.0 when placements differ) is *not*
 added here; the caller adds it.

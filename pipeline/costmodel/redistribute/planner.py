@@ -7,7 +7,7 @@ planner; the Dijkstra planner when a ``_StridedShard`` is involved), planned onc
 re-implemented here on interned placement ids (:mod:`.interner`; DTensor's own planner
 costs ~0.1 ms per pair, its Dijkstra planner milliseconds to minutes); the tests check
 they give exactly DTensor's steps, exhaustively over small meshes and ranks, against
-DTensor's planner as the reference (``tests/dtensor_reference.py``, with a fresh planner
+DTensor's planner as the reference (``tests/support/dtensor_reference.py``, with a fresh planner
 per call: DTensor's cached planners accumulate reduce ops across calls, which makes its
 Dijkstra plans depend on call history). The graph planner's specs are built on a
 ``DeviceMesh(..., _init_backend=False, _rank=0)``, so no process group is needed (a test

@@ -26,7 +26,7 @@ the full attention *provided the causal mask is offset by the chunk's first quer
 position* (query ``i`` of the chunk at global position ``i + r S/n`` sees keys
 ``j <= i + r S/n``). The op's own ``is_causal`` aligns the mask top-left (query ``i``
 sees keys ``j <= i``), which is right on rank 0 only: a context-parallel kernel passes
-the offset (tests/test_strategies_cp_loss.py checks both facts with real tensors). In
+the offset (tests/unit/test_strategies_cp_loss.py checks both facts with real tensors). In
 the backward, grad_q of the chunk is exact and each rank's grad_k / grad_v is its
 queries' contribution: their sum over the ranks is the full gradient (``Partial``).
 

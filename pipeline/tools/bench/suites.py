@@ -14,7 +14,7 @@ A *suite* is a named list of *cases*; a case is a list of Hydra overrides, exact
     llama8b and llama70b on 2x4x8, approx, lazy costs.
 ``smoke``
     the toy model on meshes 8 and 2x4: approx lazy, approx eager, ILP (HiGHS). Fast; run
-    by ``tests/test_bench.py``.
+    by ``tests/e2e/test_bench.py``.
 ``models``
     transformers architectures beside the built-in model on 2x4x8, approx, lazy:
     llama1b, ``hf/gpt2`` (GPT-2 small, 12 layers) and ``hf/qwen2`` (Qwen2-0.5B, 24

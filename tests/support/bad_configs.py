@@ -1,0 +1,46 @@
+"""Bad config values, each with the one line the user sees: through ``load_config`` and
+``python -m pipeline`` (tests/unit/test_config.py) and through ``snakemake --config``
+(tests/e2e/test_workflow.py)."""
+
+from __future__ import annotations
+
+#: (id, hydra overrides, snakemake --config arguments, the one-line message)
+BAD_CASES = [
+    ("mesh-zero", ["mesh=2,0,8"], ["mesh=2,0,8"],
+     "mesh=2,0,8: allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"),
+    ("mesh-abc", ["mesh=abc"], ["mesh=abc"],
+     "mesh=abc: allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"),
+    ("mesh-negative", ["mesh=-2"], ["mesh=-2"],
+     "mesh=-2: allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"),
+    ("names-count", ["mesh=2,4", "mesh_names=[a,b,c]"], ["mesh=2,4", "mesh_names=[a,b,c]"],
+     "mesh_names=[a,b,c]: need 2 names, one per dim of mesh 2x4"),
+    ("names-duplicated", ["mesh_names=[dp,dp,tp]"], ["mesh_names=[dp,dp,tp]"],
+     "mesh_names=[dp,dp,tp]: names must be unique (dp repeated)"),
+    ("solver-foo", ["solver=foo"], ["solver=foo"], "solver=foo: allowed approx, ilp, lp"),
+    ("model-nosuch", ["model=nosuch"], ["model=nosuch"],
+     "model=nosuch: allowed llama1b, llama70b, llama8b, toy"),
+    ("lazy-maybe", ["lazy_costs=maybe"], ["lazy_costs=maybe"],
+     "lazy_costs=maybe: allowed true, false, null"),
+    ("lazy-ilp", ["lazy_costs=true", "solver=ilp"], ["lazy_costs=true", "solver=ilp"],
+     "lazy_costs=true: lazy costs need solver=approx (got solver=ilp)"),
+    ("heads", ["model=toy", "model.n_heads=6"], ["model=toy", "overrides=model.n_heads=6"],
+     "model.n_heads=6: must divide model.dim=256"),
+    ("dim-negative", ["model.dim=-8"], ["overrides=model.dim=-8"],
+     "model.dim=-8: must be a positive integer"),
+    ("iters-zero", ["solver.max_iters=0"], ["overrides=solver.max_iters=0"],
+     "solver.max_iters=0: allowed an integer >= 1"),
+    ("unknown-key", ["foo=1"], ["overrides=foo=1"],
+     "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
+     "optimizer, constraints, memory, fsdp, costs, mesh, mesh_names, lazy_costs, "
+     "stamp_layers, repeated_layers, recipe, optimality_check, results_dir, experiment, "
+     "revision_label, workers, paper"),
+    ("workers-negative", ["workers=-1"], ["workers=-1"],
+     "workers=-1: allowed 0 (one process per available CPU) or an integer >= 1 (1: no "
+     "worker processes)"),
+    ("fuse-maybe", ["costs.fuse_pointwise=maybe"], ["overrides=costs.fuse_pointwise=maybe"],
+     "costs.fuse_pointwise=maybe: allowed true, false"),
+    ("costs-unknown", ["costs.fuse=1"], ["overrides=costs.fuse=1"],
+     "costs.fuse=1: unknown key; allowed keys at costs: fuse_pointwise, flatten_mesh"),
+    ("bool-2", ["repeated_layers=2"], ["repeated_layers=2"],
+     "repeated_layers=2: allowed true, false"),
+]
