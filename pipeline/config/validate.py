@@ -49,8 +49,9 @@ _PATH_BREAKS = frozenset("\x00\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029")
 
 
 def check_results_dir(value: Any) -> None:
-    """``results_dir``: a non-empty path on one line. Every other character is allowed
-    (spaces, quotes, ``;``, ``$``, non-ASCII): paths reach a shell only quoted.
+    """``results_dir``: a non-empty path on one line that is, or can become, a directory
+    (:func:`_check_results_dir_on_disk`). Every other character is allowed (spaces,
+    quotes, ``;``, ``$``, non-ASCII): paths reach a shell only quoted.
 
     Raises:
         ConfigError: ``results_dir=<value, escaped>: allowed ...``.
@@ -62,6 +63,36 @@ def check_results_dir(value: Any) -> None:
         shown = ", ".join(repr(c)[1:-1] for c in bad)
         raise ConfigError(f"results_dir={_shown(value)}: allowed a path on one line, without "
                           f"NUL or line breaks (it holds {shown})")
+    _check_results_dir_on_disk(value)
+
+
+#: The longest file name most file systems allow (POSIX NAME_MAX on ext4, xfs, btrfs,
+#: tmpfs: 255 bytes).
+_NAME_MAX = 255
+
+
+def _check_results_dir_on_disk(value: str) -> None:
+    """``results_dir`` must be a directory or creatable as one: no component longer than
+    :data:`_NAME_MAX` bytes, and the path itself and its nearest existing ancestor are
+    directories. Read-only: nothing is created here."""
+    import os
+
+    path = os.path.abspath(os.path.expanduser(value))
+    for part in path.split(os.sep):
+        if len(os.fsencode(part)) > _NAME_MAX:
+            raise ConfigError(f"results_dir={_shown(value)}: allowed a path whose every "
+                              f"component is at most {_NAME_MAX} bytes (one is "
+                              f"{len(os.fsencode(part))})")
+    probe = path
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return
+        probe = parent
+    if not os.path.isdir(probe):
+        what = "is" if probe == path else f"lies under {probe}, which is"
+        raise ConfigError(f"results_dir={_shown(value)}: allowed a directory (or a path "
+                          f"that can become one); it {what} not a directory")
 
 
 _MESH_ALLOWED = "allowed positive integers joined by ',' or 'x' (e.g. 2,4,8 or 2x4x8 or 8)"

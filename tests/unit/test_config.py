@@ -705,3 +705,31 @@ def test_hydra_writes_nothing_on_a_run_and_only_its_sweep_dir_on_a_multirun(tmp_
 def test_mesh_values_are_plain_ints():
     cfg = load_resolved(["mesh=2x4"])
     assert all(type(d) is int for d in cfg.mesh) and math.prod(cfg.mesh) == 8
+
+
+def _a_file(d, *below):
+    (d / "f").write_text("x")
+    return d.joinpath("f", *below)
+
+
+@pytest.mark.parametrize("make, expect", [
+    (lambda d: _a_file(d), "it is not a directory"),
+    (lambda d: _a_file(d, "sub"), "which is not a directory"),
+    (lambda d: d / ("n" * 256), "at most 255 bytes (one is 256)"),
+])
+def test_an_unusable_results_dir_is_one_line_before_any_work(tmp_path, make, expect):
+    """A results_dir that is a file, lies under a file, or has a name too long for the
+    file system: exit 2, one line naming the key and what is allowed, nothing written."""
+    bad = make(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "model=toy", "mesh=2",
+                           f"results_dir={bad}"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("results_dir=") and expect in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # a path that does not exist yet under a directory is fine (it is created by the run)
+    from pipeline.config.validate import check_results_dir
+
+    check_results_dir(str(tmp_path / "new" / "runs"))
