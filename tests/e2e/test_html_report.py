@@ -23,6 +23,7 @@ import pytest
 from toy_sweep import CONFIGS, NAME, checkout_with_sweep
 
 from pipeline.stages.report.html import PageError, main, markdown_page, runs_page
+from pipeline.stages.report.picture import write_plan_picture
 
 SKIP_ENV = "PLANNER_SKIP_BROWSER"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
@@ -105,11 +106,11 @@ def test_html_report_shows_every_table_and_figure(tmp_path, toy_results):
         dirs = toy_results.copy_run(results, *config)
         hashes[config] = json.loads((Path(dirs.solve) / "run.json").read_text())[
             "placement_hash"]
-    # a plan picture where none was drawn: the report lists every runs/**/plan.png
+    # the toy runs are made without the report stage, so no plan picture is drawn yet:
+    # draw one (the report lists every runs/**/plan.png)
     solve_dirs = sorted(p.parent for p in results.glob("runs/**/run.json"))
     if not list(results.glob("runs/**/plan.png")):
-        shutil.copy(Path(__file__).resolve().parents[2] / "docs" / "figures" / "fig_depth.png",
-                    solve_dirs[0] / "plan.png")
+        write_plan_picture(solve_dirs[0])
     config = ["--config", "model=toy", "mesh=2,4", f"experiment={NAME}",
               f"results_dir={results}"]
     out = _smk(checkout, work, "--cores", "2", "all", "paper", *config)
