@@ -47,6 +47,7 @@ from typing import Any
 from pipeline.core.artifacts import PLAN
 from pipeline.core.errors import PlanError
 from pipeline.core.ir import load_nodes
+from pipeline.plan.legality import graph_table, node_problem, placement_problem
 
 PLAN_FILE = PLAN.name
 PLAN_FORMAT = "sharding-plan"
@@ -281,14 +282,22 @@ def load(path: Path | str, *, model: Any = None, mesh: Any = None, graph: Any = 
     p = Path(path)
     where = f"plan={p}"
     try:
-        text = p.read_text()
+        data = p.read_bytes()
     except FileNotFoundError:
         raise PlanFileError(f"{where}: no such file; run the solve stage first "
                             "(python -m pipeline ...)") from None
     except OSError as err:
-        raise PlanFileError(f"{where}: cannot read ({err.strerror})") from None
+        raise PlanFileError(f"{where}: cannot read ({err.strerror or err})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PlanFileError(f"{where}: not a text file (byte 0x{data[err.start]:02x} at "
+                            f"offset {err.start} is not UTF-8); a plan file is JSON "
+                            "written by the solve stage") from None
     try:
         doc = json.loads(text)
+    except RecursionError:
+        raise PlanFileError(f"{where}: JSON nested too deeply to be a plan file") from None
     except json.JSONDecodeError as err:
         raise PlanFileError(f"{where}: not a complete JSON document ({err.msg} at line "
                             f"{err.lineno} column {err.colno}); the file is truncated or "
@@ -384,8 +393,9 @@ def _parse(doc: Any, where: str, path: Path) -> Plan:
                               fallback=bool(e.get("fallback", False))))
     outputs = []
     for i, e in enumerate(_need(doc, "outputs", where, list)):
-        if not isinstance(e, dict) or any(k not in e for k in
-                                          ("index", "kind", "node", "producer", "placement")):
+        if not isinstance(e, dict) or any(k not in e for k in (
+                "index", "kind", "node", "producer", "placement")) or not isinstance(
+                e["index"], int) or not isinstance(e["placement"], str):
             raise PlanFileError(f"{where}: outputs[{i}]={_short(e)}: allowed an object with "
                                 "index, kind, grad_of, node, producer, placement")
         outputs.append(dict(e))
@@ -400,40 +410,6 @@ def _parse(doc: Any, where: str, path: Path) -> Plan:
         parameters=tensors("parameters", "fqn"), buffers=tensors("buffers", "fqn"),
         inputs=tensors("inputs", None), outputs=tuple(outputs),
         model_output=doc.get("model_output"), nodes=tuple(nodes), collectives=collectives)
-
-
-def placement_problem(text: str, shape: Sequence[int] | None, mesh_shape: Sequence[int],
-                      partial_ok: bool) -> str | None:
-    """Why ``text`` is not a legal placement of a tensor of ``shape`` on the mesh, or None.
-
-    ``shape=None`` checks the syntax and token count only.
-    """
-    from pipeline.dtensor.placements import parse_placements
-
-    try:
-        pls = parse_placements(text, len(mesh_shape))
-    except ValueError as err:
-        return str(err)
-    counts: dict[int, int] = {}
-    for md, pl in enumerate(pls):
-        if pl.is_partial():  # DTensor's masked and norm partials too (Partial subclasses)
-            if not partial_ok:
-                return (f"mesh dim {md} is Partial; allowed R or S(d) for parameters, "
-                        "buffers and inputs")
-            continue
-        if pl.is_shard() and shape is not None:
-            rank = len(shape)
-            d = pl.dim
-            if not -rank <= d < rank:
-                return (f"Shard({d}) on mesh dim {md} of a {rank}-d tensor "
-                        f"{list(shape)}; allowed S(d) with 0 <= d < {rank}")
-            d %= rank
-            counts[d] = counts.get(d, 1) * int(mesh_shape[md])
-    for d, c in sorted(counts.items()):
-        if shape is not None and shape[d] < c:
-            return (f"tensor dim {d} of size {shape[d]} cannot be split into {c} shards "
-                    f"(tensor {list(shape)})")
-    return None
 
 
 def _check_placements(plan: Plan, where: str) -> None:
@@ -550,27 +526,31 @@ def check_model_config(plan: Plan, model_config: dict[str, Any]) -> None:
 
 
 def check_graph(plan: Plan, graph: Any) -> None:
-    """Fail unless the graph IR table ``graph`` is the trace the plan was made from, and
-    every node placement is legal for the node's output shapes."""
-    from pipeline.dtensor.placements import parse_output
-
-    got = trace_hash(graph)
+    """Fail unless the graph IR ``graph`` (a pyarrow table, a pandas data frame or the
+    path of ``graph.parquet``: :func:`pipeline.plan.legality.graph_table`) is the trace
+    the plan was made from, and every node's output and input placements are legal for
+    the shapes the graph gives them (:func:`pipeline.plan.legality.node_problem`)."""
+    try:
+        table = graph_table(graph)
+    except TypeError as err:
+        raise PlanFileError(f"plan={plan.path}: {err}") from None
+    except (OSError, ValueError) as err:
+        raise PlanFileError(f"plan={plan.path}: graph={graph}: cannot read the graph IR "
+                            f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+                            ) from None
+    try:
+        got = trace_hash(table)
+    except (KeyError, TypeError, ValueError) as err:
+        raise PlanFileError(f"plan={plan.path}: graph: not a graph IR table ({type(err).__name__}"
+                            f": {str(err).splitlines()[0] if str(err) else ''}); allowed the "
+                            "table of graph.parquet") from None
     if got != plan.trace_hash:
         raise PlanFileError(
             f"plan={plan.path}: trace hash {plan.trace_hash} does not match the traced graph "
             f"({got}): the plan was made from another trace (model config or torch version "
             "differ)")
-    nodes = [n for n in load_nodes(graph) if n.kind != "output"]
-    for n, pn in zip(nodes, plan.nodes):
-        elems = parse_output(pn.output, len(plan.mesh_shape))
-        for k, el in enumerate(elems):
-            meta = n.outputs[k] if k < len(n.outputs) else None
-            if el is None or meta is None:
-                continue
-            from pipeline.dtensor.placements import format_placements
-
-            why = placement_problem(format_placements(el), meta["shape"], plan.mesh_shape,
-                                    partial_ok=True)
-            if why:
-                raise PlanFileError(f"plan={plan.path}: nodes[{pn.name}].output={pn.output}: "
-                                    f"{why}")
+    nodes = load_nodes(table)
+    for n, pn in zip([n for n in nodes if n.kind != "output"], plan.nodes):
+        why = node_problem(n, nodes, pn.output, pn.inputs, plan.mesh_shape)
+        if why:
+            raise PlanFileError(f"plan={plan.path}: nodes[{pn.name}].{why}")

@@ -210,6 +210,114 @@ def test_load_refuses_another_model_mesh_trace_or_process_count(run) -> None:
         load(path, graph=changed)
 
 
+def _rehash(doc: dict) -> None:
+    """Recompute ``placement_hash`` as docs/plan.md defines it (an edit a hash check
+    cannot catch): SHA-256 over ``name<TAB>output<TAB>inputs`` of every node, then of
+    every output sink in index order (its placement as output and input)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    rows = [(n["name"], n["output"], n["inputs"]) for n in doc["nodes"]] + [
+        (o["node"], o["placement"], [o["placement"]])
+        for o in sorted(doc["outputs"], key=lambda o: o["index"])]
+    for name, out, ins in rows:
+        h.update(f"{name}\t{out}\t{','.join(ins)}\n".encode())
+    doc["placement_hash"] = h.hexdigest()
+
+
+def _first_mm(doc: dict) -> dict:
+    return next(n for n in doc["nodes"] if n["op"] == "aten.mm.default")
+
+
+@pytest.mark.parametrize("form", ["arrow", "pandas", "path"])
+def test_load_takes_the_graph_as_arrow_pandas_or_path(run, form) -> None:
+    _, _, dirs, path = run
+    graph_path = Path(dirs.trace) / "graph.parquet"
+    graph = {"arrow": lambda: pq.read_table(graph_path),
+             "pandas": lambda: pd.read_parquet(graph_path),  # as docs/plan.md shows it
+             "path": lambda: graph_path}[form]()
+    assert load(path, graph=graph).trace_hash == trace_hash(pq.read_table(graph_path))
+
+
+@pytest.mark.parametrize(("field", "text", "expect"), [
+    # the first mm of the toy reads the [128, 32] activations: no tensor dim 7
+    ("inputs", "S(7)R", "inputs[0]=S(7)R: Shard(7) on mesh dim 0 of a 2-d tensor [128, 32]; "
+                        "allowed S(d) with 0 <= d < 2"),
+    ("output", "RS(-3)", "output=RS(-3): Shard(-3) on mesh dim 1 of a 2-d tensor"),
+    ("inputs", "RR,RR", "inputs has 1 placements; allowed 2"),
+])
+def test_load_with_the_graph_refuses_an_illegal_node_placement(run, tmp_path, field, text,
+                                                                expect) -> None:
+    _, _, dirs, path = run
+    doc = json.loads(path.read_text())
+    node = _first_mm(doc)
+    if field == "inputs" and "," in text:
+        node["inputs"] = [text.split(",")[0]]
+    elif field == "inputs":
+        node["inputs"][0] = text
+    else:
+        node["output"] = text
+    _rehash(doc)
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps(doc))
+    load(bad)  # a legal text: without the graph its rank is not known
+    graph = pd.read_parquet(Path(dirs.trace) / "graph.parquet")
+    with pytest.raises(PlanFileError) as err:
+        load(bad, graph=graph)
+    msg = str(err.value)
+    assert msg.startswith(f"plan={bad}: nodes[{node['name']}].") and expect in msg, msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize(("data", "expect"), [
+    (b"\x89PNG\r\n\x1a\n\x00\xff", "not a text file (byte 0x89 at offset 0 is not UTF-8)"),
+    (b"[" * 100_000, "nested too deeply"),
+    (b'[1, 2]', "allowed a JSON object, got list"),
+])
+def test_load_refuses_a_binary_or_odd_file_in_one_line(tmp_path, data, expect) -> None:
+    bad = tmp_path / "plan.json"
+    bad.write_bytes(data)
+    with pytest.raises(PlanFileError) as err:
+        load(bad)
+    assert expect in str(err.value) and "\n" not in str(err.value)
+
+
+def test_load_refuses_a_graph_that_is_no_table(run, tmp_path) -> None:
+    _, _, _, path = run
+    with pytest.raises(PlanFileError, match=r"graph=dict: allowed the graph IR as a pyarrow "
+                                            r"Table, a pandas DataFrame or the path"):
+        load(path, graph={"name": []})
+    with pytest.raises(PlanFileError, match="cannot read the graph IR"):
+        load(path, graph=tmp_path / "absent.parquet")
+
+
+def test_verify_refuses_a_node_input_edited_to_s7_in_one_line(run, tmp_path) -> None:
+    """The issue's case through the real CLI: a node input placement edited to S(7) with
+    its hash recomputed is one line and exit 2 (was an IndexError on every rank)."""
+    import os
+    import subprocess
+    import sys
+
+    results, _, _, path = run
+    doc = json.loads(path.read_text())
+    node = _first_mm(doc)
+    node["inputs"][0] = "S(7)R"
+    _rehash(doc)
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps(doc))
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.verify", *TINY, "mesh=2x2", f"results_dir={results}",
+         "--plan", str(bad)], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "IndexError" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"plan={bad}: nodes[{node['name']}].inputs[0]=S(7)R: Shard(7) on mesh dim 0 of a "
+        "2-d tensor [128, 32]; allowed S(d) with 0 <= d < 2")
+    assert not (tmp_path / "verify.json").exists()
+
+
 # --------------------------------------------------------------------------- exports
 
 
