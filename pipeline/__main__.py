@@ -33,6 +33,7 @@ from omegaconf import DictConfig
 from pipeline.config import (
     CONF_DIR,
     ConfigError,
+    check_environment,
     load_resolved,
     normalise_overrides,
     register_configs,
@@ -165,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     whose points did not all plan exits 1 after its report and summary."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        check_environment()
         new_argv, sweep_jobs, points = _prevalidate(argv)
     except ConfigError as err:
         print(err, file=sys.stderr)

@@ -40,6 +40,7 @@ that stage depends on, cumulatively, see :data:`STAGE_KEYS`)::
 """
 
 from pipeline.config.compose import load_config, load_resolved
+from pipeline.config.environment import check_environment, log_level
 from pipeline.config.overrides import (
     QUOTE_MODES,
     normalise_overrides,
@@ -94,11 +95,13 @@ __all__ = [
     "ParamMemoryConfig",
     "SolverConfig",
     "StageDirs",
+    "check_environment",
     "config_hash",
     "default_mesh_names",
     "group_options",
     "load_config",
     "load_resolved",
+    "log_level",
     "mesh_label",
     "normalise_overrides",
     "override_value",

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from omegaconf import DictConfig
 
+from pipeline.config.environment import check_environment
 from pipeline.config.overrides import check_overrides, normalise_overrides
 from pipeline.config.schema import (
     CONF_DIR,
@@ -99,5 +100,7 @@ def load_config(overrides: Sequence[str] = ()) -> DictConfig:
 
 
 def load_resolved(overrides: Sequence[str] = ()) -> DictConfig:
-    """``resolve(load_config(overrides))``; raises :class:`ConfigError` on any bad value."""
+    """``resolve(load_config(overrides))`` after :func:`check_environment`; raises
+    :class:`ConfigError` on any bad value (of an override or a ``PIPELINE_*`` variable)."""
+    check_environment()
     return resolve(load_config(overrides))

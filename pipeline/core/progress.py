@@ -4,7 +4,8 @@ A bar is shown when stderr is a terminal, and never otherwise: Snakemake jobs (t
 stderr goes to a log file), the benchmark's cases, pipes and tests stay quiet. The
 environment variable ``PIPELINE_PROGRESS`` overrides the check: ``1`` (or ``true``,
 ``yes``, ``on``) always shows bars on stderr, ``0`` (or ``false``, ``no``, ``off``)
-never does; unset, empty, ``auto`` or any other value means "stderr is a terminal".
+never does; unset, empty or ``auto`` means "stderr is a terminal". Any other value is
+refused before any work (:mod:`pipeline.config.environment`).
 
 Bars only observe: they never change a result, and they draw at most every
 :data:`MININTERVAL` seconds. A phase that ends within :data:`DELAY` seconds draws
@@ -28,6 +29,8 @@ MININTERVAL = 0.5  # seconds between two redraws
 
 _ON = ("1", "true", "yes", "on")
 _OFF = ("0", "false", "no", "off")
+#: Every value of :data:`ENV_VAR` accepted (lower case, stripped).
+ACCEPTED = (*_ON, *_OFF, "auto", "")
 
 
 def enabled(stream: Any = None) -> bool:

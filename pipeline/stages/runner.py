@@ -367,8 +367,11 @@ def tell_error(line: str, to_stderr: bool = True) -> None:
 
 
 def configure_logging() -> None:
-    """INFO messages of the pipeline on stderr (Hydra's own logging is switched off)."""
-    logging.basicConfig(level=os.environ.get("PIPELINE_LOG_LEVEL", "INFO"),
+    """INFO messages of the pipeline on stderr (Hydra's own logging is switched off), or
+    the level of ``PIPELINE_LOG_LEVEL`` (a bad one: :class:`ConfigError`, one line)."""
+    from pipeline.config import log_level
+
+    logging.basicConfig(level=log_level(),
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
                         datefmt="%H:%M:%S", stream=sys.stderr)
 
