@@ -39,7 +39,9 @@ __all__ = [
     "COLLECTIVES",
     "HardwareConfig",
     "LinkConfig",
+    "PHYSICAL_RANGES",
     "as_hardware",
+    "check_physical_ranges",
     "hardware_key",
     "load_hardware",
     "validate_hardware",
@@ -164,6 +166,55 @@ def validate_hardware(hw: Any) -> None:
             raise bad(f"{name}.bandwidth", link.bandwidth, "must be a number > 0 (bytes/s)")
         if not (_is_num(link.latency_us) and link.latency_us >= 0):
             raise bad(f"{name}.latency_us", link.latency_us, "must be a number >= 0 (µs)")
+    check_physical_ranges(hw)
+
+
+#: The physical range of each hardware value, ``key: (low, high, unit, why)``, both ends
+#: included. A value outside is no device (or no link) the planner can price: such
+#: values overflow the step-time sums or blame an edge of the solve instead of the key.
+#: Each bound is at least 100x beyond the extremes of today's datasheets:
+#:
+#: * FLOP/s: the fastest single accelerator, NVIDIA B200, 4.5e15 dense FP8 and 9e15
+#:   sparse FP4 (NVIDIA Blackwell datasheet, 2024); the low end, 1e6, is a thousandth
+#:   of one CPU core's fp32 rate (a 3 GHz core with 16-wide FMA: ~1e11 FLOP/s).
+#: * Memory bandwidth: HBM3e on B200, 8e12 B/s (same datasheet); link bandwidth: NVLink 5,
+#:   1.8e12 B/s per GPU (NVIDIA NVLink page, 2024); the low end, 1e6 B/s, is below
+#:   10 Mb/s Ethernet (IEEE 802.3, 1.25e6 B/s).
+#: * Latencies and the kernel floor: at most 1 s (1e6 µs); a signal halfway round the
+#:   Earth in fibre takes ~0.1 s (20,000 km at 2e8 m/s), no collective step takes longer.
+#: * Device memory: 1 MiB to 1 PiB (B200: 192 GB HBM3e).
+#: * GPUs and NICs per node: at most 4096 (NVL72 racks join 72 GPUs in one NVLink
+#:   domain, NVIDIA GB200 NVL72 datasheet, 2024).
+PHYSICAL_RANGES: dict[str, tuple[float, float, str, str]] = {
+    "peak_flops_bf16": (1e6, 1e18, "FLOP/s", "B200: 4.5e15 dense FP8"),
+    "peak_flops_fp32": (1e6, 1e18, "FLOP/s", "B200: 4.5e15 dense FP8"),
+    "hbm_bandwidth": (1e6, 1e15, "bytes/s", "B200 HBM3e: 8e12"),
+    "device_memory_bytes": (2**20, 2**50, "bytes", "1 MiB to 1 PiB; B200: 192 GB"),
+    "kernel_floor_us": (0.0, 1e6, "µs", "at most 1 s"),
+    "gpus_per_node": (1, 4096, "GPUs", "GB200 NVL72: 72"),
+    "nics_per_node": (1, 4096, "NICs", "DGX H100: 8"),
+    "intra_node.bandwidth": (1e6, 1e15, "bytes/s", "NVLink 5: 1.8e12"),
+    "intra_node.latency_us": (0.0, 1e6, "µs", "at most 1 s"),
+    "inter_node.bandwidth": (1e6, 1e15, "bytes/s", "NVLink 5: 1.8e12"),
+    "inter_node.latency_us": (0.0, 1e6, "µs", "at most 1 s"),
+}
+
+
+def check_physical_ranges(hw: Any) -> None:
+    """Check every value of :data:`PHYSICAL_RANGES` (after :func:`validate_hardware`'s
+    sign and type checks).
+
+    Raises:
+        ValueError: one line naming the key, the value, the range and its source.
+    """
+    for key, (low, high, unit, why) in PHYSICAL_RANGES.items():
+        obj = hw
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        if not low <= obj <= high:
+            raise ValueError(f"hardware.{key}={obj!r} is invalid: allowed the physical range "
+                             f"[{low:g}, {high:g}] {unit} ({why}; sources in "
+                             "pipeline/costmodel/hardware.py PHYSICAL_RANGES)")
 
 
 def hardware_key(hw: Any) -> tuple:

@@ -86,3 +86,55 @@ def test_check_environment_by_hand(env, ok):
 
 def test_log_level_defaults_to_info_and_reads_any_case():
     assert log_level({}) == "INFO" and log_level({"PIPELINE_LOG_LEVEL": "error"}) == "ERROR"
+
+
+# --------------------------------------------------------------------------- hardware
+
+
+@pytest.mark.parametrize(("override", "expect"), [
+    # the absurd but finite values: numpy overflow warnings and a solver message
+    # blaming an edge before; now the key, its value and its range
+    ("hardware.intra_node.bandwidth=1e-300", "hardware.intra_node.bandwidth=1e-300 is "
+     "invalid: allowed the physical range [1e+06, 1e+15] bytes/s"),
+    ("hardware.peak_flops_bf16=1e-300", "hardware.peak_flops_bf16=1e-300 is invalid: "
+     "allowed the physical range [1e+06, 1e+18] FLOP/s"),
+    ("hardware.inter_node.latency_us=1e308", "hardware.inter_node.latency_us=1e+308 is "
+     "invalid: allowed the physical range [0, 1e+06] µs"),
+    ("hardware.intra_node.bandwidth=-5e10", "hardware.intra_node.bandwidth=-50000000000.0 "
+     "is invalid: must be a number > 0"),
+    ("hardware.compute_efficiency=1.5", "hardware.compute_efficiency=1.5 is invalid: must "
+     "be in (0, 1]"),
+    ("hardware.memory_efficiency=0", "hardware.memory_efficiency=0.0 is invalid: must be in "
+     "(0, 1]"),
+    ("hardware.gpus_per_node=100000", "hardware.gpus_per_node=100000 is invalid: allowed the "
+     "physical range [1, 4096] GPUs"),
+])
+def test_hardware_outside_its_physical_range_is_one_line_exit_2(tmp_path, override, expect):
+    proc = run_py(tmp_path, "-m", "pipeline", *TOY, f"results_dir={tmp_path / 'r'}", override)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert one_line(proc).startswith(expect)
+    assert "overflow" not in proc.stderr and not (tmp_path / "r").exists()
+
+
+def test_physical_ranges_by_hand_and_every_preset_within_them():
+    from pipeline.config import CONF_DIR
+    from pipeline.costmodel.hardware import (
+        PHYSICAL_RANGES,
+        HardwareConfig,
+        LinkConfig,
+        check_physical_ranges,
+        load_hardware,
+    )
+
+    presets = sorted((CONF_DIR / "hardware").glob("*.yaml"))
+    assert len(presets) >= 4
+    for path in presets:
+        check_physical_ranges(load_hardware(path))
+    # both ends are allowed, a step beyond is not
+    HardwareConfig(hbm_bandwidth=1e6, intra_node=LinkConfig(bandwidth=1e15, latency_us=1e6))
+    with pytest.raises(ValueError, match=r"hbm_bandwidth=999999\.0 is invalid"):
+        HardwareConfig(hbm_bandwidth=999999.0)
+    with pytest.raises(ValueError, match=r"inter_node\.latency_us=1000000\.5 is invalid"):
+        HardwareConfig(inter_node=LinkConfig(latency_us=1e6 + 0.5))
+    assert set(PHYSICAL_RANGES) >= {"peak_flops_bf16", "peak_flops_fp32", "hbm_bandwidth",
+                                    "intra_node.bandwidth", "inter_node.latency_us"}
