@@ -202,10 +202,8 @@ def hf_config(cfg: Mapping[str, Any]) -> Any:
                 + ", ".join(sorted(k for k in cls().to_dict() if not k.startswith("_"))[:12]))
     try:
         config = transformers.AutoConfig.for_model(cfg["model_type"], **fields)
-    except (ValueError, TypeError, KeyError) as err:
-        raise ValueError(f"model.config={fields}: transformers refused it: "
-                         f"{str(err).strip().splitlines()[0] if str(err).strip() else err!r}"
-                         ) from None
+    except Exception as err:  # transformers' (and huggingface_hub's) validators, any type
+        raise ValueError(refusal(err, fields, cls, None, cls.__name__)) from None
     auto = getattr(transformers, TASKS[cfg["task"]])
     if type(config) not in auto._model_mapping:
         ok = [t for t, name in TASKS.items()
@@ -216,12 +214,101 @@ def hf_config(cfg: Mapping[str, Any]) -> Any:
     return config
 
 
+#: Names transformers' and torch's own messages use for config fields (``embed_dim``
+#: in GPT-2's attention, ``padding_idx`` / ``num_embeddings`` in ``nn.Embedding``), read
+#: as the field they come from when naming the keys of a refusal.
+_MESSAGE_NAMES: dict[str, str] = {
+    "embed_dim": "hidden_size", "hidden size": "hidden_size", "num_heads": "num_attention_heads",
+    "attention heads": "num_attention_heads", "padding_idx": "pad_token_id",
+    "num_embeddings": "vocab_size", "vocab": "vocab_size", "kv heads": "num_key_value_heads",
+    "key_value_heads": "num_key_value_heads", "head_dim": "head_dim"}
+
+
+def _root_message(err: BaseException) -> str:
+    """The first line of the innermost cause of ``err`` (huggingface_hub wraps a
+    validator's ``ValueError`` in a message that only names the validator)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def refusal(err: BaseException, fields: Mapping[str, Any], cls: Any, config: Any,
+            what: str) -> str:
+    """One line for a configuration transformers refused: the ``model.config`` keys its
+    message involves, each with its value (``(default)`` when not given), then the
+    message. A key is involved when its name, its alias in the config class's
+    ``attribute_map``, or a name of :data:`_MESSAGE_NAMES` for it appears in the message;
+    when none does, every key given is named."""
+    message = _root_message(err)
+    lower = message.lower()
+    alias = dict(getattr(cls, "attribute_map", {}) or {})  # standard name -> own name
+    own_to_std = {v: k for k, v in alias.items()}
+    candidates = set(fields) | set(alias) | set(_MESSAGE_NAMES.values())
+    involved: list[str] = []
+    for key in sorted(candidates):
+        std = own_to_std.get(key, key)
+        names = {key, std, alias.get(std, std)} | {m for m, f in _MESSAGE_NAMES.items()
+                                                  if f == std}
+        if any(re.search(rf"(?<![a-z_]){re.escape(n.lower())}(?![a-z_])", lower)
+               for n in names):
+            shown = next((n for n in (key, std, alias.get(std)) if n in fields), None) or (
+                alias.get(std, std))
+            if shown not in involved:
+                involved.append(shown)
+    if config is None:
+        try:
+            config = cls()
+        except Exception:  # the defaults themselves refused: no default values to show
+            config = None
+
+    def value(key: str) -> str:
+        if key in fields:
+            return repr(fields[key])
+        return f"{getattr(config, key, None)!r} (default)" if config is not None else "(default)"
+
+    keys = involved or sorted(fields)
+    named = ", ".join(f"model.config.{k}={value(k)}" for k in keys) or "model.config={}"
+    return f"{named}: transformers refused to build {what}: {message}"
+
+
+def construct(cfg: Mapping[str, Any], config: Any) -> Any:
+    """The task's model of ``config`` on the meta device, with the attention and
+    experts implementation of ``cfg`` (``from_config``: no weights).
+
+    Raises:
+        ValueError: transformers (or torch, inside its modules) refused the config: one
+            line naming the ``model.config`` keys involved (:func:`refusal`).
+    """
+    import torch
+    import transformers
+
+    auto = getattr(transformers, TASKS[cfg["task"]])
+    model_class = auto._model_mapping[type(config)]
+    kwargs: dict[str, Any] = {}
+    attn = cfg["attn_implementation"]
+    if attn == "fused":
+        register_attention()
+        attn = ATTENTION_NAME
+    kwargs["attn_implementation"] = attn
+    if model_class._can_set_experts_implementation():
+        kwargs["experts_implementation"] = cfg["experts_implementation"]
+    try:
+        with torch.device("meta"):
+            return auto.from_config(config, **kwargs)
+    except Exception as err:  # raised inside transformers' modules for this config
+        raise ValueError(refusal(err, dict(cfg.get("config") or {}), type(config), config,
+                                 model_class.__name__)) from None
+
+
 def preflight(cfg: Mapping[str, Any]) -> None:
-    """Import transformers and check the model type, the config fields and the task."""
+    """Import transformers, check the model type, the config fields and the task, and
+    build the model on meta (a config transformers' modules refuse is one line here,
+    before any stage writes)."""
     from pipeline.models import ModelError
 
     try:
-        hf_config(cfg)
+        construct(cfg, hf_config(cfg))
     except ValueError as err:
         raise ModelError(str(err)) from None
 
@@ -342,26 +429,16 @@ def build(cfg: Mapping[str, Any]) -> Any:
     import functools
 
     import torch
-    import transformers
 
     from pipeline.models import BuiltModel, ModelError
 
     try:
         config = hf_config(cfg)
+        model = construct(cfg, config)
     except ValueError as err:
         raise ModelError(str(err)) from None
-    auto = getattr(transformers, TASKS[cfg["task"]])
-    model_class = auto._model_mapping[type(config)]
-    kwargs: dict[str, Any] = {}
-    attn = cfg["attn_implementation"]
-    if attn == "fused":
-        register_attention()
-        attn = ATTENTION_NAME
-    kwargs["attn_implementation"] = attn
-    if model_class._can_set_experts_implementation():
-        kwargs["experts_implementation"] = cfg["experts_implementation"]
-    with torch.device("meta"):
-        model = auto.from_config(config, **kwargs)
+    model_class = type(model)
+    attn = ATTENTION_NAME if cfg["attn_implementation"] == "fused" else cfg["attn_implementation"]
     model.train()
     b, t = int(cfg["batch_size"]), int(cfg["seq_len"])
     td = int(cfg.get("decoder_seq_len") or t)

@@ -138,3 +138,52 @@ def test_physical_ranges_by_hand_and_every_preset_within_them():
         HardwareConfig(inter_node=LinkConfig(latency_us=1e6 + 0.5))
     assert set(PHYSICAL_RANGES) >= {"peak_flops_bf16", "peak_flops_fp32", "hbm_bandwidth",
                                     "intra_node.bandwidth", "inter_node.latency_us"}
+
+
+# --------------------------------------------------------------------------- transformers
+
+
+HF_REFUSED = [
+    # GPT-2's attention refuses a head count that does not divide the width
+    (("model=hf/gpt2", "model.config.n_head=5", "model.config.n_layer=1"),
+     "model.config.n_embd=768, model.config.n_head=5: transformers refused to build "
+     "GPT2LMHeadModel: `embed_dim` must be divisible by num_heads"),
+    # Llama's config validator (wrapped by huggingface_hub: its innermost message is shown)
+    (("model=hf", "model.model_type=llama", "model.config.num_attention_heads=5",
+      "model.config.num_hidden_layers=1"),
+     "model.config.hidden_size=4096 (default), model.config.num_attention_heads=5: "
+     "transformers refused to build LlamaConfig: The hidden size (4096) is not a multiple of "
+     "the number of attention heads (5)."),
+    # Phi-3's default pad_token_id (32000) beyond a vocabulary of 64
+    (("model=hf", "model.model_type=phi3", "model.config.vocab_size=64",
+      "model.config.hidden_size=32", "model.config.num_attention_heads=4",
+      "model.config.num_hidden_layers=1", "model.config.intermediate_size=64"),
+     "model.config.pad_token_id=32000 (default), model.config.vocab_size=64: transformers "
+     "refused to build Phi3ForCausalLM: Padding_idx must be within num_embeddings"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expect"), HF_REFUSED)
+def test_a_config_transformers_refuses_is_one_line_naming_the_keys(tmp_path, overrides, expect):
+    pytest.importorskip("transformers")
+    results = tmp_path / "r"
+    proc = run_py(tmp_path, "-m", "pipeline", *overrides, "mesh=2", f"results_dir={results}")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert one_line(proc) == expect or one_line(proc).startswith(expect)
+    assert not results.exists()
+
+
+def test_refusal_names_every_given_key_when_the_message_names_none():
+    from pipeline.models.hf import refusal
+
+    class Config:
+        attribute_map = {"hidden_size": "n_embd"}
+        n_embd = 8
+
+    msg = refusal(RuntimeError("boom"), {"b": 2, "a": 1}, Config, Config(), "X")
+    assert msg == "model.config.a=1, model.config.b=2: transformers refused to build X: boom"
+    err = ValueError("outer")
+    err.__cause__ = ValueError("the hidden size (8) is odd\nsecond line")
+    msg = refusal(err, {}, Config, Config(), "X")
+    assert msg == ("model.config.n_embd=8 (default): transformers refused to build X: the "
+                   "hidden size (8) is odd")
