@@ -278,12 +278,15 @@ def read_json(artifact: Artifact, directory: Path | str) -> dict[str, Any]:
 
 
 def write_table(artifact: Artifact, directory: Path | str, table: Any,
-                metadata: dict[str, Any] | None = None) -> Path:
-    """Write a Parquet artifact atomically; ``metadata`` plus ``schema_version`` go in
-    the ``pipeline`` schema metadata. Returns its path."""
+                metadata: dict[str, Any] | None = None,
+                group: runtime.AtomicGroup | None = None) -> Path:
+    """Write a Parquet artifact atomically (with ``group``: renamed into place with the
+    group's other files, :func:`pipeline.core.runtime.atomic_group`); ``metadata`` plus
+    ``schema_version`` go in the ``pipeline`` schema metadata. Returns its path."""
     path = artifact.path(directory)
     runtime.write_parquet(path, table,
-                          metadata={**(metadata or {}), "schema_version": artifact.schema_version})
+                          metadata={**(metadata or {}), "schema_version": artifact.schema_version},
+                          group=group)
     return path
 
 

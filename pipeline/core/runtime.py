@@ -21,34 +21,91 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.errors import WriteError
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
-@contextlib.contextmanager
-def atomic_path(final: Path | str) -> Iterator[Path]:
-    """Yield a temporary path next to ``final``; rename it to ``final`` on success.
+class AtomicGroup:
+    """Files written together: each goes to its temporary file, and all are renamed into
+    place only when the group ends without an error, in the order they were written (a
+    sentinel written last is renamed last); on an error every temporary file is removed
+    and the files already in place are untouched. Renames within one directory need no
+    space, so an OS error while writing (no space left, a size limit) leaves the old set
+    whole. Use :func:`atomic_group`."""
 
-    On an exception the temporary file is removed and ``final`` is untouched.
+    def __init__(self) -> None:
+        self.pending: list[tuple[Path, Path]] = []
+
+    def _commit(self) -> None:
+        while self.pending:
+            tmp, final = self.pending[0]
+            try:
+                os.replace(tmp, final)
+            except OSError as err:
+                raise _write_error(final, err) from None
+            self.pending.pop(0)
+
+    def _discard(self) -> None:
+        for tmp, _ in self.pending:
+            tmp.unlink(missing_ok=True)
+        self.pending.clear()
+
+
+@contextlib.contextmanager
+def atomic_group() -> Iterator[AtomicGroup]:
+    """A group of atomic writes (:class:`AtomicGroup`): pass it as ``group=`` to
+    :func:`atomic_path`, :func:`write_json` or :func:`write_parquet`."""
+    group = AtomicGroup()
+    try:
+        yield group
+        group._commit()
+    finally:
+        group._discard()
+
+
+def _write_error(path: Path, err: OSError) -> Exception:
+    return err if isinstance(err, WriteError) else WriteError.of(err.filename or path, err)
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path | str, group: AtomicGroup | None = None) -> Iterator[Path]:
+    """Yield a temporary path next to ``final``; rename it to ``final`` on success (with
+    ``group``: when the group ends, :class:`AtomicGroup`).
+
+    On an exception the temporary file is removed and ``final`` is untouched. An OS
+    error (no space left, permission denied, a read-only file system, a file size
+    limit) raises :class:`pipeline.core.errors.WriteError`: one line naming the file
+    and the error.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+        os.close(fd)
+    except OSError as err:
+        raise _write_error(final, err) from None
     tmp_path = Path(tmp)
     try:
-        yield tmp_path
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; artifacts are shared
-        os.replace(tmp_path, final)
+        try:
+            yield tmp_path
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; artifacts are shared
+            if group is not None:
+                group.pending.append((tmp_path, final))
+                return
+            os.replace(tmp_path, final)
+        except OSError as err:
+            raise _write_error(final, err) from None
     finally:
-        if tmp_path.exists():
+        if (group is None or (tmp_path, final) not in group.pending) and tmp_path.exists():
             tmp_path.unlink()
 
 
-def write_json(path: Path | str, obj: Any) -> None:
+def write_json(path: Path | str, obj: Any, group: AtomicGroup | None = None) -> None:
     """Write ``obj`` as indented JSON with sorted keys, atomically."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path, group) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
 
 
@@ -64,16 +121,18 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
 
-def write_parquet(path: Path | str, table: Any, metadata: dict[str, Any] | None = None) -> None:
-    """Write a ``pyarrow.Table`` to Parquet atomically; ``metadata`` goes in the schema
-    metadata as JSON under the key ``pipeline``."""
+def write_parquet(path: Path | str, table: Any, metadata: dict[str, Any] | None = None,
+                  group: AtomicGroup | None = None) -> None:
+    """Write a ``pyarrow.Table`` to Parquet atomically (with ``group``: with the others of
+    the group); ``metadata`` goes in the schema metadata as JSON under the key
+    ``pipeline``."""
     import pyarrow.parquet as pq
 
     if metadata is not None:
         meta = dict(table.schema.metadata or {})
         meta[b"pipeline"] = json.dumps(metadata, sort_keys=True, default=_json_default).encode()
         table = table.replace_schema_metadata(meta)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, group) as tmp:
         pq.write_table(table, tmp, compression="zstd")
 
 
@@ -169,13 +228,18 @@ def environment() -> dict[str, Any]:
 
 
 def git_revision(root: Path = PROJECT_ROOT) -> dict[str, Any]:
-    """``{"revision": sha or None, "dirty": bool or None}`` of the project checkout."""
+    """``{"revision": sha or None, "dirty": bool or None}`` of the project checkout.
+
+    Read-only: ``GIT_OPTIONAL_LOCKS=0`` keeps ``git status`` from refreshing the index
+    (which takes ``index.lock``: a run cut short by a signal or a file size limit would
+    leave the lock behind, and git commands in the checkout would then fail)."""
+    env = {**os.environ, "GIT_OPTIONAL_LOCKS": "0"}
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                             text=True, check=True, timeout=10).stdout.strip()
+                             text=True, check=True, timeout=10, env=env).stdout.strip()
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                 cwd=root, capture_output=True, text=True, check=True,
-                                timeout=10).stdout
+                                timeout=10, env=env).stdout
         return {"revision": rev, "dirty": bool(status.strip())}
     except (OSError, subprocess.SubprocessError):
         return {"revision": None, "dirty": None}

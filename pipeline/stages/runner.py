@@ -126,7 +126,9 @@ def stage_lock(directory: Path) -> Iterator[bool]:
         fh = _open_lock(directory)
     except OSError as err:
         if err.errno not in _READ_ONLY:
-            raise
+            from pipeline.core.errors import WriteError
+
+            raise WriteError.of(directory / LOCK_FILE, err) from None
         yield False
         return
     with fh:

@@ -187,3 +187,92 @@ def test_refusal_names_every_given_key_when_the_message_names_none():
     msg = refusal(err, {}, Config, Config(), "X")
     assert msg == ("model.config.n_embd=8 (default): transformers refused to build X: the "
                    "hidden size (8) is odd")
+
+
+# --------------------------------------------------------------------------- OS errors
+
+
+TINY = ("model=toy", "model.dim=32", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.multiple_of=32", "model.vocab_size=64", "model.seq_len=16",
+        "model.batch_size=8", "mesh=2x2")
+
+
+def _file_size_limit(limit: int):
+    """A ``preexec_fn``: files may grow to ``limit`` bytes; a write beyond fails with
+    EFBIG (``RLIMIT_FSIZE``, setrlimit(2); SIGXFSZ ignored so the write returns the
+    error instead of killing the process): a real OS error on a real write, as a full
+    disk gives ENOSPC."""
+    import resource
+    import signal
+
+    def limit_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_files
+
+
+def test_an_os_error_while_the_report_writes_leaves_the_old_report_whole(tmp_path):
+    import pyarrow.parquet as pq
+
+    results = tmp_path / "results"
+    first = run_py(tmp_path, "-m", "pipeline", *TINY, f"results_dir={results}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    report = results / "report"
+    # an older report: a placements table of 10 rows (the new one has every row)
+    old = pq.read_table(report / "placements.parquet")
+    assert old.num_rows > 10
+    pq.write_table(old.slice(0, 10), report / "placements.parquet")
+    before = {p.name: p.read_bytes() for p in report.iterdir() if p.suffix == ".parquet"}
+    assert before["runs.parquet"].__len__() > 20_000 > len(before["placements.parquet"])
+    # every stage and picture is current: the report runs, its runs.parquet (the last
+    # table, over 20 kB) cannot be written
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", *TINY, f"results_dir={results}"], cwd=tmp_path,
+        capture_output=True, text=True, env=child_env("1"), timeout=600,
+        preexec_fn=_file_size_limit(20_000))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = one_line(proc)
+    assert line.startswith(f"{report}/runs.parquet: cannot write it: ") and (
+        "(errno 27 EFBIG)" in line), line
+    after = {p.name: p.read_bytes() for p in report.iterdir() if p.suffix == ".parquet"}
+    assert after == before, "the old report tables must stay, all of them"
+    assert not [p for p in results.rglob("*.tmp")], "no temporary file may stay"
+
+
+def test_a_stage_that_cannot_write_its_artifact_is_one_line_and_reruns_after(tmp_path):
+    results = tmp_path / "results"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", *TINY, f"results_dir={results}"], cwd=tmp_path,
+        capture_output=True, text=True, env=child_env("1"), timeout=600,
+        preexec_fn=_file_size_limit(4_000))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = one_line(proc)
+    assert "/graph.parquet: cannot write it: " in line and "(errno 27 EFBIG)" in line, line
+    assert not list(results.rglob("graph.parquet")) and not list(results.rglob("*.tmp"))
+    again = run_py(tmp_path, "-m", "pipeline", *TINY, f"results_dir={results}")
+    assert again.returncode == 0, again.stderr[-3000:]
+
+
+def test_atomic_group_keeps_the_old_files_on_enospc(tmp_path, monkeypatch):
+    import errno
+
+    from pipeline.core import runtime
+    from pipeline.core.errors import WriteError
+
+    (tmp_path / "a.json").write_text("old a")
+    (tmp_path / "b.json").write_text("old b")
+    with pytest.raises(WriteError) as err, runtime.atomic_group() as group:
+        runtime.write_json(tmp_path / "a.json", {"new": 1}, group=group)
+        with runtime.atomic_path(tmp_path / "b.json", group) as tmp:
+            tmp.write_text("half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(err.value) == (f"{tmp_path / 'b.json'}: cannot write it: No space left on "
+                              "device (errno 28 ENOSPC); nothing half-written was kept (free "
+                              "space or fix the permissions, then rerun)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
+    assert (tmp_path / "a.json").read_text() == "old a"
+    with runtime.atomic_group() as group:
+        runtime.write_json(tmp_path / "a.json", {"new": 1}, group=group)
+        assert (tmp_path / "a.json").read_text() == "old a"  # renamed at the group's end
+    assert (tmp_path / "a.json").read_text() == '{\n  "new": 1\n}\n'

@@ -233,17 +233,22 @@ def run_report(results_dir: Path, workers: int = 1) -> None:
     cols = {k: [r.get(k) for r in rows] for k in keys}
     table = pa.table({k: _column(v) for k, v in cols.items()}) if rows else pa.table({})
     placements = _union(run_dirs, SOLUTION.name)
-    artifacts.write_table(PLACEMENTS, out, placements, metadata={"runs": len(rows)})
     redistributions = _union(run_dirs, REDISTRIBUTIONS.name)
-    artifacts.write_table(REPORT_REDISTRIBUTIONS, out, redistributions,
-                          metadata={"runs": len(rows)})
     recipes = recipe_rows(records)
-    artifacts.write_table(RECIPES, out, _recipe_table(recipes), metadata={"rows": len(recipes)})
     from pipeline.stages.report.picture import draw_plan_pictures  # each run's plan.png / plan.svg
 
     draw_plan_pictures(results_dir, run_dirs, workers=workers)
-    artifacts.write_table(RUNS, out, table, metadata={
-        "runs": len(rows), "git": runtime.git_revision()})
+    # the four tables replace the old ones together, or (an OS error while writing one)
+    # not at all: a report directory is never half old, half new
+    with runtime.atomic_group() as group:
+        artifacts.write_table(PLACEMENTS, out, placements, metadata={"runs": len(rows)},
+                              group=group)
+        artifacts.write_table(REPORT_REDISTRIBUTIONS, out, redistributions,
+                              metadata={"runs": len(rows)}, group=group)
+        artifacts.write_table(RECIPES, out, _recipe_table(recipes),
+                              metadata={"rows": len(recipes)}, group=group)
+        artifacts.write_table(RUNS, out, table, metadata={
+            "runs": len(rows), "git": runtime.git_revision()}, group=group)
     log.info("report: %d runs, %d placement rows, %d redistribution rows -> %s", len(rows),
              placements.num_rows, redistributions.num_rows, out)
 
