@@ -37,7 +37,8 @@ process failed; 2 bad input (one line on stderr, nothing written): a bad overrid
 flag, a model family verify cannot build (``custom``), a traced step that draws random
 numbers (dropout with p > 0), a plan file that is truncated, edited to an illegal
 placement or made for another model, trace or mesh, or a process count other than the
-mesh size.
+mesh size; 130 / 143 SIGINT / SIGTERM: the worker processes are stopped within seconds
+and one line says so (:mod:`pipeline.verify.signals`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from pipeline.verify.models import (
     model_hash_of_config,
     real_inputs,
 )
+from pipeline.verify.signals import Interrupted, handled, run_workers
 
 __all__ = ["DEFAULT_SEED", "RTOL", "VERIFY_FILE", "VerifyUsageError",
            "build_real_model", "check_inputs", "dtensor_collectives", "main", "parse_args",
@@ -221,7 +223,6 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     Raises:
         PlanError: bad input (nothing written).
     """
-    import torch.multiprocessing as mp
     from omegaconf import OmegaConf
 
     import pipeline.apply  # noqa: F401 - imported once here, not in every forked process
@@ -249,8 +250,7 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
         job = {"world": world, "store": os.path.join(tmp, "store"), "out_dir": tmp,
                "plan": plan, "nodes": nodes, "model_cfg": model_cfg, "seed": int(seed)}
         start = time.perf_counter()
-        mp.start_processes(worker, args=(job,), nprocs=world, start_method=start_method,
-                           join=True)
+        run_workers(worker, (job,), world, start_method)  # stopped on SIGINT / SIGTERM
         spawned = time.perf_counter() - start
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
     record = _record(cfg, plan, ranks, planned, planned_source, seed, Path(dirs.solve))
@@ -337,12 +337,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging()
     try:
-        record = verify(cfg, plan_path=Path(flags["plan"]) if flags["plan"] else None,
-                        nproc=flags["nproc"], seed=flags["seed"],
-                        output=Path(flags["output"]) if flags["output"] else None)
+        with handled():
+            record = verify(cfg, plan_path=Path(flags["plan"]) if flags["plan"] else None,
+                            nproc=flags["nproc"], seed=flags["seed"],
+                            output=Path(flags["output"]) if flags["output"] else None)
     except USER_ERRORS as err:
         print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
         return 2
+    except Interrupted as err:  # pipeline/verify/signals.py: the workers are stopped
+        print(f"verify: {err}; worker processes stopped, verify.json not written",
+              file=sys.stderr)
+        return err.exit_code
     if not record["ok"]:
         reason = record.get("error") or ", ".join(k for k, v in record["checks"].items()
                                                   if not v) + " failed"

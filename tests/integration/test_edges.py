@@ -276,3 +276,71 @@ def test_atomic_group_keeps_the_old_files_on_enospc(tmp_path, monkeypatch):
         runtime.write_json(tmp_path / "a.json", {"new": 1}, group=group)
         assert (tmp_path / "a.json").read_text() == "old a"  # renamed at the group's end
     assert (tmp_path / "a.json").read_text() == '{\n  "new": 1\n}\n'
+
+
+# --------------------------------------------------------------------------- signals
+
+
+def _children(pid: int) -> list[int]:
+    """Process ids whose parent is ``pid`` (from /proc/<id>/stat, Linux)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process ended while we read
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+@pytest.fixture(scope="module")
+def verify_results(tmp_path_factory):
+    """A tiny toy solved at 2x2: verify reuses every stage and starts its 4 workers."""
+    results = tmp_path_factory.mktemp("verify-signals") / "results"
+    proc = run_py(results.parent, "-m", "pipeline", *TINY, f"results_dir={results}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return results
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize(("sig", "to_group"), [
+    ("SIGINT", False),   # kill -INT <parent>: before, the workers went on for 35 s
+    ("SIGTERM", False),
+    ("SIGINT", True),    # Ctrl-C in a terminal: the whole process group
+])
+def test_a_signal_during_verify_stops_the_workers_within_seconds(verify_results, sig,
+                                                                 to_group):
+    import signal
+    import time
+
+    signum = getattr(signal, sig)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.verify", *TINY, f"results_dir={verify_results}"],
+        cwd=verify_results.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=child_env("1"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        workers: list[int] = []
+        while len(workers) < 4 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            workers = _children(proc.pid)
+        assert len(workers) >= 4, "verify never started its 4 workers"
+        sent = time.monotonic()
+        if to_group:
+            os.killpg(proc.pid, signum)
+        else:
+            os.kill(proc.pid, signum)
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert took < 15, f"verify took {took:.1f} s to end after {sig}"
+    assert [w for w in workers if Path(f"/proc/{w}").exists()] == [], "workers left running"
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"verify: interrupted by {sig}; worker processes stopped, verify.json not written")
+    assert not list(verify_results.rglob("verify.json"))
