@@ -150,8 +150,22 @@ def validate_memory_config(cfg: Any) -> None:
         raise ValueError(f"memory.activation_checkpointing={mode}: allowed "
                          f"{', '.join(CHECKPOINTING)}")
     limit = cfg.constraints.device_memory
-    if limit is not None:
-        parse_bytes(limit)
+    if limit is not None and not is_auto(limit):
+        try:
+            parse_bytes(limit)
+        except ValueError as err:
+            raise ValueError(f"{err}; or {DEVICE_MEMORY_AUTO} (the hardware preset's "
+                             "device_memory_bytes)") from None
+
+
+#: ``constraints.device_memory`` value that takes the hardware preset's
+#: ``device_memory_bytes`` as the limit (:func:`device_memory_of_config`).
+DEVICE_MEMORY_AUTO = "auto"
+
+
+def is_auto(value: Any) -> bool:
+    """Whether a ``constraints.device_memory`` value is :data:`DEVICE_MEMORY_AUTO`."""
+    return isinstance(value, str) and value.strip().lower() == DEVICE_MEMORY_AUTO
 
 
 def memory_options(optimizer: Any = None, memory: Any = None, fsdp: Any = None) -> MemoryOptions:
@@ -233,9 +247,15 @@ def options_of_config(cfg: Any) -> MemoryOptions:
 
 def device_memory_of_config(cfg: Any) -> tuple[int | None, str | None]:
     """``constraints.device_memory`` of a run config: ``(bytes, text as given)`` or
-    ``(None, None)`` when unset. Raises ValueError for a bad value (one line)."""
+    ``(None, None)`` when unset; ``auto`` is the hardware preset's
+    ``device_memory_bytes`` (text ``auto (<hardware> device_memory_bytes)``). Raises
+    ValueError for a bad value (one line)."""
     constraints = cfg.get("constraints", None) if hasattr(cfg, "get") else None
     value = constraints.get("device_memory", None) if constraints is not None else None
     if value is None:
         return None, None
+    if is_auto(value):
+        hw = cfg.get("hardware", None)
+        return (int(hw.device_memory_bytes),
+                f"{DEVICE_MEMORY_AUTO} ({hw.get('name', 'hardware')} device_memory_bytes)")
     return parse_bytes(value), str(value)

@@ -82,10 +82,13 @@ NOT_APPLICABLE = "not applicable"
 SWEEP_KEYS: tuple[str, ...] = ("world", "max_dims")
 #: Files of a sweep, in write order (the figure last: it is the Snakemake sentinel).
 OUTPUT_FILES: tuple[str, ...] = ("shapes.parquet", "shapes.csv", "shapes.md", "shapes.png")
-#: Columns of the table, in order (``step_time_us`` only when a run record has it).
+#: Columns of the table, in order (``step_time_us``, ``peak_bytes`` and ``fits`` only when
+#: a run record has them: the predicted peak per device and whether it is within the
+#: hardware preset's device memory, pipeline/memory/fit.py).
 COLUMNS: tuple[str, ...] = ("rank", "mesh", "mesh_names", "dims", "objective", "step_time_us",
-                            "compute_us", "comm_us", "transition_us", "status", "gap",
-                            "placement_hash", "run_id", "solve_dir")
+                            "compute_us", "comm_us", "transition_us", "peak_bytes", "fits",
+                            "status", "gap", "placement_hash", "run_id", "solve_dir")
+_OPTIONAL = ("step_time_us", "peak_bytes", "fits", "error")
 _RUN_STAGES = ("trace", "topology", "costs", "solve")
 
 
@@ -347,8 +350,8 @@ def shape_table(solve_dirs: Sequence[Path],
     """One row per run (its ``run.json``), best objective first (ties: fewer dims, then
     the mesh label), then one row per shape in ``failed`` (status ``failed``, the reason
     in ``error``; ``not applicable`` for a shape in ``inapplicable``); ``rank`` from 1.
-    ``step_time_us`` is a column only when some run record has it, ``error`` only when a
-    shape failed."""
+    ``step_time_us``, ``peak_bytes`` and ``fits`` are columns only when some run record
+    has them, ``error`` only when a shape failed."""
     import pandas as pd
 
     rows = []
@@ -362,6 +365,8 @@ def shape_table(solve_dirs: Sequence[Path],
             "compute_us": _float_or_none(rec.get("compute_us")),
             "comm_us": _float_or_none(rec.get("comm_us")),
             "transition_us": _float_or_none(rec.get("transition_us")),
+            "peak_bytes": _float_or_none((rec.get("memory") or {}).get("peak_bytes")),
+            "fits": rec.get("fits"),
             "status": rec.get("status"), "gap": _float_or_none(rec.get("gap")),
             "placement_hash": rec.get("placement_hash"), "run_id": rec.get("run_id"),
             "solve_dir": str(d), "error": None})
@@ -371,13 +376,14 @@ def shape_table(solve_dirs: Sequence[Path],
         rows.append({"mesh": mesh_label(shape), "mesh_names": names,
                      "dims": len(shape), "objective": math.nan, "step_time_us": None,
                      "compute_us": None, "comm_us": None, "transition_us": None,
+                     "peak_bytes": None, "fits": None,
                      "status": NOT_APPLICABLE if shape in inapplicable else "failed",
                      "gap": None, "placement_hash": None, "run_id": None,
                      "solve_dir": None, "error": reason})
     for i, r in enumerate(rows, 1):
         r["rank"] = i
     cols = [c for c in (*COLUMNS, "error")
-            if c not in ("step_time_us", "error") or any(r[c] is not None for r in rows)]
+            if c not in _OPTIONAL or any(r[c] is not None for r in rows)]
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -397,6 +403,8 @@ def markdown_table(table: Any) -> str:
             if c.endswith("_us") or c == "objective":
                 cells.append("" if v is None or (isinstance(v, float) and math.isnan(v))
                              else f"{v:,.3f}")
+            elif c == "peak_bytes":
+                cells.append("" if v is None or math.isnan(v) else f"{v / 2**30:,.2f} GiB")
             elif c == "gap":
                 cells.append("" if v is None or math.isnan(v) else f"{v:.4f}")
             elif v is None:

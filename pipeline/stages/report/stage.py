@@ -170,7 +170,9 @@ def recipe_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     planner's ``param_memory`` and ``device_memory`` constraints (JSON text: a recipe's
     pinned parameters are outside the parameter budget, the planner's are not),
     ``objective`` / ``step_time_us`` / ``tokens_per_s_per_device`` of each and
-    ``objective_ratio`` / ``step_time_ratio`` (recipe / planner)."""
+    ``objective_ratio`` / ``step_time_ratio`` (recipe / planner), and each run's predicted
+    peak bytes per device and whether it fits the device (``recipe_peak_bytes``,
+    ``planner_peak_bytes``, ``recipe_fits``, ``planner_fits``: pipeline/memory/fit.py)."""
     planners: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         if r.get("recipe") is None:
@@ -195,11 +197,20 @@ def recipe_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "step_time_ratio": _ratio(r.get("step_time_us"), p.get("step_time_us")),
                 "recipe_tokens_per_s_per_device": r.get("tokens_per_s_per_device"),
                 "planner_tokens_per_s_per_device": p.get("tokens_per_s_per_device"),
+                "recipe_peak_bytes": _peak(r), "planner_peak_bytes": _peak(p),
+                "recipe_fits": r.get("fits"), "planner_fits": p.get("fits"),
             })
     return rows
 
 
-_RECIPE_NUMERIC = ("objective", "step_time", "ratio", "tokens")
+def _peak(record: dict[str, Any]) -> float | None:
+    """The predicted peak bytes per device of a run record (``memory.peak_bytes``)."""
+    peak = (record.get("memory") or {}).get("peak_bytes")
+    return None if peak is None else float(peak)
+
+
+_RECIPE_NUMERIC = ("objective", "step_time", "ratio", "tokens", "peak_bytes")
+_RECIPE_BOOL = ("recipe_fits", "planner_fits")
 
 
 def _recipe_table(rows: list[dict[str, Any]]) -> pa.Table:
@@ -208,11 +219,15 @@ def _recipe_table(rows: list[dict[str, Any]]) -> pa.Table:
              "planner_device_memory", "recipe_objective", "planner_objective",
              "objective_ratio", "recipe_step_time_us", "planner_step_time_us",
              "step_time_ratio", "recipe_tokens_per_s_per_device",
-             "planner_tokens_per_s_per_device"]
+             "planner_tokens_per_s_per_device", "recipe_peak_bytes", "planner_peak_bytes",
+             "recipe_fits", "planner_fits"]
     cols = {}
     for k in names:
         numeric = any(t in k for t in _RECIPE_NUMERIC)
         values = [r[k] for r in rows]
+        if k in _RECIPE_BOOL:
+            cols[k] = pa.array(values, pa.bool_())
+            continue
         cols[k] = pa.array([None if v is None else float(v) for v in values], pa.float64()) \
             if numeric else pa.array(values, pa.string())
     return pa.table(cols)

@@ -59,6 +59,7 @@ from pipeline.core.errors import PlanError
 from pipeline.core.ir import load_nodes, read_graph
 from pipeline.costmodel.breakdown import plan_breakdown
 from pipeline.costmodel.factors import PARALLEL_MIN_WORK, group_structure
+from pipeline.memory.fit import fit_fields, fit_warning
 from pipeline.plan.format import build_plan, write_plan
 from pipeline.solvers.ilp.fallback import no_plan_message
 from pipeline.solvers.lagrangian import allowed_unaries
@@ -371,10 +372,16 @@ def run_solve(cfg: Any, dirs: Any) -> None:
         [record["peak_rss_bytes"]["max"]]
         + [int(r.get("peak_rss_bytes", {}).get("max", 0)) for r in upstream])
     record["config"] = OmegaConf.to_container(cfg, resolve=True)
+    record.update(fit_fields(record.get("memory"), int(cfg.hardware.device_memory_bytes)))
     write_plan(PLAN.path(out_dir), plan)
     artifacts.write_json(RUN, out_dir, record)
     log.info("solve: %s objective %.3f µs bound %.3f gap %.3g status %s", cfg.solver.name,
              record["objective"], record["lower_bound"], record["gap"], record["status"])
+    warning = fit_warning(record.get("memory"), int(cfg.hardware.device_memory_bytes),
+                          str(cfg.hardware.name),
+                          cfg.constraints.get("device_memory") is not None)
+    if warning:
+        log.warning("solve: %s", warning)
 
 
 def _step_time(cfg: Any, topology: TopologyTables, costs: Costs, cost_model: Any,
