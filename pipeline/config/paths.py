@@ -69,7 +69,7 @@ MEMORY_KEY_DEFAULTS: dict[str, Any] = {
     "fsdp": {"reshard_after_forward": True, "bucket_collectives": True},
     "device_memory": None,
     # the cost-model options (``costs.*``), likewise
-    "costs": {"fuse_pointwise": True, "flatten_mesh": True},
+    "costs": {"compile": False, "fuse_pointwise": True, "flatten_mesh": True},
 }
 
 

@@ -40,7 +40,10 @@ BAD_CASES = [
     ("fuse-maybe", ["costs.fuse_pointwise=maybe"], ["overrides=costs.fuse_pointwise=maybe"],
      "costs.fuse_pointwise=maybe: allowed true, false"),
     ("costs-unknown", ["costs.fuse=1"], ["overrides=costs.fuse=1"],
-     "costs.fuse=1: unknown key; allowed keys at costs: fuse_pointwise, flatten_mesh"),
+     "costs.fuse=1: unknown key; allowed keys at costs: compile, fuse_pointwise, "
+     "flatten_mesh"),
+    ("compile-maybe", ["costs.compile=maybe"], ["overrides=costs.compile=maybe"],
+     "costs.compile=maybe: allowed true, false"),
     ("bool-2", ["repeated_layers=2"], ["repeated_layers=2"],
      "repeated_layers=2: allowed true, false"),
 ]
