@@ -35,8 +35,9 @@ class MemoryConfig:
     """How the step trades memory for compute (``memory.*``).
 
     Attributes:
-        activation_checkpointing: ``none``, ``full`` or ``selective``
-            (pipeline/memory/graph.py states the rules).
+        activation_checkpointing: ``none``, ``full``, ``selective`` (torchtitan's
+            op-level policy) or ``selective_all_matmuls`` (the earlier rule: every
+            matmul output kept); pipeline/memory/graph.py states the rules.
     """
 
     activation_checkpointing: str = "none"
@@ -77,7 +78,7 @@ __all__ = [
 ]
 
 #: ``memory.activation_checkpointing`` values (pipeline/memory/__init__.py states the rules).
-CHECKPOINTING = ("none", "full", "selective")
+CHECKPOINTING = ("none", "full", "selective", "selective_all_matmuls")
 
 #: Optimizers the model knows, with the number of state tensors each keeps per
 #: parameter element (each shaped and sharded like its parameter):
@@ -111,7 +112,7 @@ class MemoryOptions:
         optimizer: optimizer name (:data:`OPTIMIZERS`).
         state_tensors: optimizer state tensors per parameter element.
         state_itemsize: bytes per optimizer-state element (4: float32).
-        checkpointing: ``none``, ``full`` or ``selective`` (:data:`CHECKPOINTING`).
+        checkpointing: one of :data:`CHECKPOINTING`.
         reshard_after_forward: FSDP2's ``reshard_after_forward``: a weight gathered in
             forward is freed after its last forward use and gathered again in backward
             (True, FSDP2's default), or kept until its last backward use (False).

@@ -108,7 +108,8 @@ def test_unreachable_limit_is_one_line(runs: tuple[Path, int]) -> None:
     ("optimizer=lion", "optimizer=lion: allowed adamw, none, sgd"),
     ("optimizer.name=lion", "optimizer.name=lion: allowed adamw, sgd, none"),
     ("memory.activation_checkpointing=some",
-     "memory.activation_checkpointing=some: allowed none, full, selective"),
+     "memory.activation_checkpointing=some: allowed none, full, selective, "
+     "selective_all_matmuls"),
 ])
 def test_bad_memory_values(tmp_path: Path, override: str, message: str) -> None:
     proc = _run(tmp_path, override)

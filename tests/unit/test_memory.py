@@ -186,23 +186,56 @@ def test_saved_activations_with_checkpointed_blocks(toy1: TopologyTables) -> Non
     assert outside == 2 * (1024 * 256 + 256)
 
 
-def test_selective_checkpointing_keeps_matmul_and_attention_outputs(
-        toy1: TopologyTables) -> None:
-    terms = linear_terms(toy1, step_graph(toy1, "selective"),
-                         MemoryOptions(checkpointing="selective"))
+def test_sac_policy_on_a_sequence_of_ops() -> None:
+    """torchtitan's op-level SAC, by hand: save-list ops are saved, but the mm calls are
+    counted 1, 2, 3, ... within the layer and the even ones recomputed; every other op
+    is recomputed. The earlier rule saves every matmul and attention output."""
+    from pipeline.memory.graph import sac_saved
+
+    mm, bmm = "aten.mm.default", "aten.bmm.default"
+    flash = "aten._scaled_dot_product_flash_attention.default"
+    ops = [mm, "aten.add.Tensor", mm, flash, mm, "aten.mul.Tensor", mm, "aten.abs.default",
+           "aten.max.default", bmm, mm]
+    assert sac_saved(ops) == [True, False, False, True, True, False, False, True, True,
+                              False, True]
+    assert sac_saved(ops, "selective_all_matmuls") == [True, False, True, True, True, False,
+                                                       True, False, False, True, True]
+    # a Llama block: wq, wk, wv, attention, wo, w1, w3, w2
+    block = [mm, mm, mm, flash, mm, mm, mm, mm]
+    assert [n for n, s in zip(["wq", "wk", "wv", "attn", "wo", "w1", "w3", "w2"],
+                              sac_saved(block)) if s] == ["wq", "wv", "attn", "w1", "w2"]
+    with pytest.raises(ValueError, match="not a selective mode"):
+        sac_saved(ops, "full")
+
+
+@pytest.mark.parametrize("mode", ["selective", "selective_all_matmuls"])
+def test_selective_checkpointing_keeps_the_policy_outputs(toy1: TopologyTables,
+                                                          mode: str) -> None:
+    graph = step_graph(toy1, mode)
+    terms = linear_terms(toy1, graph, MemoryOptions(checkpointing=mode))
     kinds = terms.by_kind(_replicated(toy1))
     tokens = 2 * 64
     bf16 = 2
-    # Per block: the input h, the seven matmul outputs (q 256, k 128, v 128, wo 256,
-    # w1 768, w3 768, w2 256 wide), the attention output (8 heads x 32), its fp32
-    # log-sum-exp (8 heads) and the philox seed (2 x uint64) and offset (one uint64).
-    per_block = (tokens * 256 * bf16
-                 + tokens * (256 + 128 + 128 + 256 + 768 + 768 + 256) * bf16
+    # Per block: the input h, the matmul outputs the policy saves (the block's mm in
+    # order: q 256, k 128, v 128, wo 256, w1 768, w3 768, w2 256 wide; torchtitan's
+    # SAC keeps the odd-numbered ones: q, v, w1, w2), the attention output (8 heads x
+    # 32), its fp32 log-sum-exp (8 heads) and the philox seed (2 x uint64) and offset
+    # (one uint64).
+    widths = (256, 128, 768, 256) if mode == "selective" else (256, 128, 128, 256, 768, 768,
+                                                                256)
+    per_block = (tokens * 256 * bf16 + tokens * sum(widths) * bf16
                  + tokens * 8 * 32 * bf16 + tokens * 8 * 4 + 16 + 8)
     outside = 128 * 4 + 128 * 256 * 2 + 128 * 1024 * 4 + 4 + tokens * 256 * bf16
     assert kinds["saved_activations"] == 2 * per_block + outside
     # reshard_after_forward=true (default): weight copies are re-gathered in backward.
     assert kinds["gathered_weights"] == 0
+    # the recomputed matmuls are the even-numbered ones of each block (SAC) or none
+    mms = [v for v, t in enumerate(graph.target) if t == "aten.mm.default"
+           and graph.phase[v] == "fwd" and graph.layer[v] in graph.repeated_layers]
+    again = graph.recomputed_nodes()
+    assert len(mms) == 14
+    assert [bool(again[v]) for v in mms] == (
+        [False, True] * 3 + [False]) * 2 if mode == "selective" else [False] * 14
 
 
 def test_fsdp_parameter_gradient_and_adamw_bytes_on_8(toy8: TopologyTables) -> None:
