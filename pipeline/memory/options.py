@@ -14,6 +14,15 @@ from typing import Any
 
 # --------------------------------------------------------------------------- schema
 
+#: Default ``memory.reserve_fraction``: reserved / liveness peak on the published
+#: torchtitan Llama 3.1 8B runs (8 H100, FSDP, selective AC, local batch 2 x 8192,
+#: eager 82.4 GiB and compiled 77.0 GiB reserved; torchtitan
+#: ``benchmarks/llama3_h100_202412_torchtitan.md``, Table 1) against this model's peak
+#: of the same step. A calibration against those anchors (the liveness peak of the
+#: eager and the compiled step is one figure here; the fraction splits the two
+#: readings), not a measurement of other steps: tests/integration/test_anchors.py.
+RESERVE_FRACTION = 0.25
+
 
 @dataclass
 class OptimizerConfig:
@@ -38,9 +47,15 @@ class MemoryConfig:
         activation_checkpointing: ``none``, ``full``, ``selective`` (torchtitan's
             op-level policy) or ``selective_all_matmuls`` (the earlier rule: every
             matmul output kept); pipeline/memory/graph.py states the rules.
+        reserve_fraction: what a device reserves beyond the liveness peak, as a
+            fraction of it (allocator caching and fragmentation, communication buffers,
+            workspaces): it holds ``(1 + reserve_fraction) * peak``, the figure
+            ``constraints.device_memory`` bounds (pipeline/memory/constraint.py).
+            Default :data:`RESERVE_FRACTION` (its source there).
     """
 
     activation_checkpointing: str = "none"
+    reserve_fraction: float = RESERVE_FRACTION
 
 
 @dataclass
@@ -70,12 +85,14 @@ __all__ = [
     "MemoryConfig",
     "MemoryOptions",
     "OptimizerConfig",
+    "RESERVE_FRACTION",
     "format_bytes",
     "memory_options",
     "optimizer_state_per_element",
     "parse_bytes",
     "validate_memory_config",
 ]
+
 
 #: ``memory.activation_checkpointing`` values (pipeline/memory/__init__.py states the rules).
 CHECKPOINTING = ("none", "full", "selective", "selective_all_matmuls")
@@ -116,6 +133,9 @@ class MemoryOptions:
         reshard_after_forward: FSDP2's ``reshard_after_forward``: a weight gathered in
             forward is freed after its last forward use and gathered again in backward
             (True, FSDP2's default), or kept until its last backward use (False).
+        reserve_fraction: ``memory.reserve_fraction`` (>= 0): the device reserves
+            ``(1 + reserve_fraction)`` times the liveness peak (0 here unless told: the
+            config's default is :data:`RESERVE_FRACTION`).
     """
 
     optimizer: str = "adamw"
@@ -123,6 +143,7 @@ class MemoryOptions:
     state_itemsize: int = 4
     checkpointing: str = "none"
     reshard_after_forward: bool = True
+    reserve_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.checkpointing not in CHECKPOINTING:
@@ -130,6 +151,17 @@ class MemoryOptions:
                              f"allowed {', '.join(CHECKPOINTING)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer.name={self.optimizer!r}: allowed {', '.join(OPTIMIZERS)}")
+        check_reserve_fraction(self.reserve_fraction)
+
+
+def check_reserve_fraction(value: Any) -> float:
+    """``memory.reserve_fraction`` as a float; ValueError (one line) unless it is a finite
+    number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value >= 0):
+        raise ValueError(f"memory.reserve_fraction={value}: allowed a number >= 0 (the "
+                         "fraction of the liveness peak a device reserves beyond it)")
+    return float(value)
 
 
 def validate_memory_config(cfg: Any) -> None:
@@ -150,6 +182,7 @@ def validate_memory_config(cfg: Any) -> None:
     if mode not in CHECKPOINTING:
         raise ValueError(f"memory.activation_checkpointing={mode}: allowed "
                          f"{', '.join(CHECKPOINTING)}")
+    check_reserve_fraction(cfg.memory.reserve_fraction)
     limit = cfg.constraints.device_memory
     if limit is not None:
         parse_bytes(limit)
@@ -170,7 +203,8 @@ def memory_options(optimizer: Any = None, memory: Any = None, fsdp: Any = None) 
         optimizer=name, state_tensors=optimizer_state_per_element(name, momentum),
         state_itemsize=int(state_dtype.itemsize),
         checkpointing=str(mem.get("activation_checkpointing", "none")),
-        reshard_after_forward=bool(fs.get("reshard_after_forward", True)))
+        reshard_after_forward=bool(fs.get("reshard_after_forward", True)),
+        reserve_fraction=float(mem.get("reserve_fraction", 0.0)))
 
 
 _UNITS = {"": 1, "b": 1,

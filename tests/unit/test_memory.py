@@ -481,6 +481,62 @@ def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) 
     assert exact.objective <= fit.result.objective + 1e-6
 
 
+def test_reserve_term_is_added_before_the_limit(toy8: TopologyTables) -> None:
+    """``memory.reserve_fraction = f``: the device reserves (1 + f) x the liveness peak,
+    and that is what the limit bounds. By hand with f = 0.25: the free (DDP) plan's
+    reserved bytes are 1.25 x its peak; a limit one byte below that (still 25 % above the
+    peak) is met by a plan whose peak is at most limit / 1.25: the same solves as
+    without a reserve against limit / 1.25. The run record reports both figures."""
+    from pipeline.core.errors import PlanError
+    from pipeline.costmodel.factors import group_structure
+    from pipeline.costmodel.hardware import load_hardware
+    from pipeline.memory.constraint import check_feasible, fit_plan, reserved
+    from pipeline.memory.model import memory_model
+    from pipeline.memory.record import memory_record
+    from pipeline.solvers.lagrangian import solve_with_rows
+    from pipeline.solvers.trws import solve_trws
+    from pipeline.stages.costs.stage import build_mrf
+
+    assert reserved(10 * 2**30, 0.25) == 12.5 * 2**30
+    assert reserved(10 * 2**30, 0.0) == 10 * 2**30
+    hw = load_hardware(str(Path(__file__).resolve().parents[2] / "conf/hardware/h100.yaml"))
+    mrf = build_mrf(toy8, hw, lazy=True).mrf
+    gs = group_structure(toy8)
+    opts = MemoryOptions(reserve_fraction=0.25)
+    model = memory_model(toy8, gs.group_of, gs.domain, opts)
+    coef = model.coef()
+    free = solve_trws(mrf)
+    plan0 = np.asarray(free.labels)
+    peak0 = model.walk_labels(plan0).peak_bytes
+
+    def fit(limit: float) -> Any:
+        return fit_plan(lambda rows: solve_with_rows(mrf, rows, solve_trws), model.walk_labels,
+                        model.peak_coef, coef, limit, mrf.unary, f"{int(limit)}",
+                        reserve_fraction=0.25)
+
+    # limit L with the reserve is the liveness check against L / 1.25, bit for bit
+    limit = 1.25 * peak0 - 1  # 25 % above the free plan's peak, below its reserved bytes
+    with_reserve = fit(limit)
+    same = fit_plan(lambda rows: solve_with_rows(mrf, rows, solve_trws), model.walk_labels,
+                    model.peak_coef, coef, limit / 1.25, mrf.unary, "x")
+    assert [r.high for r in with_reserve.rows] == [r.high for r in same.rows]
+    assert with_reserve.rows[0].high == limit / 1.25
+    assert list(with_reserve.result.labels) == list(same.result.labels)
+    assert with_reserve.peak.peak_bytes < peak0
+    assert reserved(with_reserve.peak.peak_bytes, 0.25) <= limit
+    strategy = plan0[gs.group_of]
+    record = memory_record(model.graph, model.terms, model.walk(strategy), strategy,
+                           list(toy8.nodes["name"]), 1.25 * peak0 - 1)
+    assert record["peak_bytes"] == peak0 and record["reserve_fraction"] == 0.25
+    assert record["reserved_bytes"] == 1.25 * peak0 and record["fits"] is False
+    # a limit below 1.25 x the smallest linear memory is refused, naming the reserve
+    least = check_feasible(coef, mrf.unary, 10 * peak0, "big", 0.25)
+    with pytest.raises(PlanError, match=r"^constraints\.device_memory=tight: infeasible, .*"
+                                        r"x 1\.25 with memory\.reserve_fraction=0\.25"):
+        check_feasible(coef, mrf.unary, 1.25 * least - 1, "tight", 0.25)
+    check_feasible(coef, mrf.unary, 1.25 * least, "exact", 0.25)
+
+
 def test_checkpointing_pays_the_recomputed_forward_again(toy8: TopologyTables) -> None:
     """``full``: each repeated layer's forward ops (weight casts and gathers aside) and
     the redistributions into them are paid twice; lazy and eager costs agree bit for
