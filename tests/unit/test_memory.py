@@ -208,6 +208,67 @@ def test_sac_policy_on_a_sequence_of_ops() -> None:
         sac_saved(ops, "full")
 
 
+def test_sac_policy_saves_the_ops_torch_dispatches(toy1: TopologyTables) -> None:
+    """The toy step run eagerly on CPU with every block under torch's selective
+    checkpointing (``create_selective_checkpoint_contexts``) and torchtitan's policy,
+    written here from its description (save ``mm``, flash / efficient attention,
+    ``abs``, ``max``; every second ``mm`` of the block recomputed): the ops the policy
+    saves in the first block's forward, in dispatch order, are the ones the graph's
+    rule saves in that layer, in graph order."""
+    import torch.utils.checkpoint as ckpt
+
+    from pipeline.models.llama import ModelConfig
+    from pipeline.models.llama_decoder import Transformer, rope_tables
+
+    save = {torch.ops.aten.mm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten.abs.default, torch.ops.aten.max.default}
+    decisions: list[list[tuple[str, bool]]] = []
+
+    def context() -> Any:
+        count = {"mm": 0}
+        mine: list[tuple[str, bool]] = []
+        decisions.append(mine)
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            if func == torch.ops.aten.mm.default:
+                count["mm"] += 1
+            keep = func in save and not (
+                func == torch.ops.aten.mm.default and count["mm"] % 2 == 0)
+            if not ctx.is_recompute:
+                mine.append((str(func), keep))
+            return (ckpt.CheckpointPolicy.MUST_SAVE if keep
+                    else ckpt.CheckpointPolicy.PREFER_RECOMPUTE)
+        return ckpt.create_selective_checkpoint_contexts(policy)
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**TOY))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    cos, sin = rope_tables(TOY["dim"] // TOY["n_heads"], TOY["seq_len"], TOY["rope_theta"])
+    model.freqs_cos.copy_(cos)
+    model.freqs_sin.copy_(sin)
+    for layer in model.layers:
+        def run(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, f: Any = layer.forward
+                ) -> torch.Tensor:
+            return ckpt.checkpoint(f, x, c, s, use_reentrant=False, context_fn=context)
+        layer.forward = run
+    tokens = torch.randint(0, TOY["vocab_size"], (TOY["batch_size"], TOY["seq_len"]))
+    labels = torch.randint(0, TOY["vocab_size"], (TOY["batch_size"], TOY["seq_len"]))
+    with _gpu_like_cpu_ops():  # the forward decides what is saved
+        assert model(tokens, labels).isfinite()
+    torch_saved = [name for name, keep in decisions[0] if keep]
+    assert [name for name, _ in decisions[0]].count("aten.mm.default") == 7
+    assert torch_saved == ["aten.mm.default", "aten.mm.default",
+                           "aten._scaled_dot_product_flash_attention.default",
+                           "aten.mm.default", "aten.mm.default"]
+    graph = step_graph(toy1, "selective")
+    first = graph.repeated_layers[0]
+    ours = [graph.target[v] for v in sorted(graph.policy_saved) if graph.layer[v] == first]
+    assert ours == torch_saved
+
+
 @pytest.mark.parametrize("mode", ["selective", "selective_all_matmuls"])
 def test_selective_checkpointing_keeps_the_policy_outputs(toy1: TopologyTables,
                                                           mode: str) -> None:
