@@ -17,6 +17,7 @@ from pipeline.config.schema import STAGES
 from pipeline.config.validate import mesh_label
 from pipeline.core.codehash import source_hash
 from pipeline.core.runtime import PROJECT_ROOT
+from pipeline.memory.options import RESERVE_FRACTION
 from pipeline.models import FAMILIES
 
 #: The entry modules of each stage: its code hash covers them and every project module
@@ -65,11 +66,11 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
 #: their directories.
 MEMORY_KEY_DEFAULTS: dict[str, Any] = {
     "optimizer": {"name": "adamw", "momentum": 0.0, "state_dtype": "float32"},
-    "memory": {"activation_checkpointing": "none"},
+    "memory": {"activation_checkpointing": "none", "reserve_fraction": RESERVE_FRACTION},
     "fsdp": {"reshard_after_forward": True, "bucket_collectives": True},
     "device_memory": None,
     # the cost-model options (``costs.*``), likewise
-    "costs": {"fuse_pointwise": True, "flatten_mesh": True},
+    "costs": {"compile": False, "fuse_pointwise": True, "flatten_mesh": True},
 }
 
 

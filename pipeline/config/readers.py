@@ -1,5 +1,6 @@
 """Plain values the stages read from a resolved config (:func:`pipeline.config.resolve`):
-the parameter-memory budget, the pointwise-fusion switch and the worker count, as Python
+the parameter-memory budget, the pointwise-fusion switch (``costs.compile`` and
+``costs.fuse_pointwise``) and the worker count, as Python
 data, so that the libraries below the config layer take values, never a config.
 
 The memory model's and FSDP's options are read by their own packages
@@ -25,9 +26,13 @@ def param_memory_config(cfg: Any) -> dict[str, Any] | None:
 
 
 def fuse_pointwise_config(cfg: Any) -> bool:
-    """``costs.fuse_pointwise`` of a resolved config (False when the key is absent)."""
+    """Whether the cost model adds the pointwise-fusion credit: ``costs.compile`` and
+    ``costs.fuse_pointwise`` of a resolved config (an eager step fuses nothing; False
+    when either key is absent)."""
     costs = cfg.get("costs")
-    return bool(costs.get("fuse_pointwise", False)) if costs is not None else False
+    if costs is None:
+        return False
+    return bool(costs.get("compile", False)) and bool(costs.get("fuse_pointwise", False))
 
 
 def workers_config(cfg: Any) -> int:

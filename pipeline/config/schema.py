@@ -138,10 +138,16 @@ class CostsConfig:
     """Cost-model options of the costs stage (``costs.*``).
 
     Attributes:
-        fuse_pointwise: price a chain of elementwise ops with one placement as one
-            fused kernel: one launch floor, no re-read of the intermediates (a
-            pairwise term of the MRF, pipeline/costmodel/fusion.py). ``False``: every
-            kernel alone.
+        compile: the step runs under ``torch.compile`` (TorchInductor fuses chains of
+            elementwise ops into one kernel); ``False`` (default): eager, every kernel
+            launched alone, as torchtitan without ``training.compile``.
+        fuse_pointwise: with ``compile``, price a chain of elementwise ops with one
+            placement as one fused kernel: one launch floor, no re-read of the
+            intermediates (a pairwise term of the MRF, pipeline/costmodel/fusion.py).
+            The credit applies only when ``compile`` is true (an eager step fuses
+            nothing); ``False`` turns it off under compile too. Until ``compile``
+            existed the credit applied whenever this was true (the default): such a
+            run is now ``costs.compile=true``.
         flatten_mesh: a redistribution that changes several mesh dims the same way
             (and a run of one collective over several mesh dims) is one collective over
             their flattened group, as FSDP2 and torchtitan run them on a flattened
@@ -149,6 +155,7 @@ class CostsConfig:
             collective per mesh dim, as DTensor's ``redistribute`` on the full mesh.
     """
 
+    compile: bool = False
     fuse_pointwise: bool = True
     flatten_mesh: bool = True
 

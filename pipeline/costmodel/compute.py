@@ -13,8 +13,22 @@ floored at ``hw.kernel_floor_us`` for every real kernel (launch + tail latency),
 FLOPs come from PyTorch's own formulas (:data:`torch.utils.flop_counter.flop_registry`:
 mm, addmm, bmm, baddbmm, convolution(+backward), the SDPA flash / efficient / cudnn
 forward and backward ops, ...), evaluated on the *local* (per-device, sharded) shapes.
-Ops without a formula count 0 FLOPs: they are memory-bound. Note the SDPA formulas do
-not halve the work for ``is_causal=True`` (PyTorch's counter does not either).
+Ops without a formula count 0 FLOPs: they are memory-bound.
+
+Causal attention. PyTorch's SDPA formulas count the full ``S_q x S_k`` score and
+``P V`` products whatever the mask; a causal kernel (FlashAttention, Dao et al. 2022,
+and FlashAttention-2, Dao 2023, §3.1.1: blocks above the diagonal are skipped) computes
+only the query-key pairs the mask keeps. With ``T`` keys, causal attention keeps
+``T (T + 1) / 2`` of the ``T^2`` pairs, so an attention op with ``is_causal=True``
+counts :func:`causal_fraction` ``= (T + 1) / (2 T)`` of the formula's FLOPs, forward
+and backward (every FLOP of those formulas is a score or ``P V`` product). With
+``S_q = S_k = T`` this is exact for the pairs (top-left alignment, the only case of a
+training step); with ``S_q < S_k`` (a context-parallel chunk of queries against all
+keys, pipeline/stages/topology/extra_strategies.py) it is the rank's ``1/n`` share of
+the causal work under the load-balanced sequence order that module assumes. A tiled
+kernel also computes the masked half of each diagonal tile: ``T (T + B) / 2`` pairs for
+tiles of ``B`` rows, ``(B - 1) / (2 T)`` more (0.8 % at ``T = 8192``, ``B = 128``),
+not counted (an approximation).
 PyTorch has no formula for ``aten._grouped_mm`` (MoE experts): :func:`grouped_mm_flops`
 gives it (:data:`_FLOP_FORMULAS`, consulted before torch's registry).
 
@@ -37,6 +51,7 @@ from pipeline.core.ir import resolve_op
 from pipeline.dtensor.torch_compat import HigherOrderOperator, OpOverload, op_schema
 
 __all__ = [
+    "causal_fraction",
     "grouped_mm_flops",
     "is_view_op",
     "op_flops",
@@ -198,11 +213,60 @@ def grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_val: Any = None
 _FLOP_FORMULAS: dict[Any, Any] = {aten._grouped_mm: grouped_mm_flops}
 
 
+#: Attention ops whose FLOPs :func:`causal_fraction` scales when ``is_causal`` is set
+#: (q, k, v laid out ``[B, H, S, D]``: the keys are ``key.shape[-2]``). The kernels
+#: below them (``_flash_attention_forward``, ``_efficient_attention_forward``), which
+#: the traces never hold (they keep the SDPA op), keep PyTorch's unmasked count.
+_CAUSAL_OPS = frozenset({
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_cudnn_attention_backward,
+})
+
+
+def causal_fraction(keys: int) -> float:
+    """Fraction of an attention op's score / ``P V`` FLOPs a causal mask keeps:
+    ``T (T + 1) / 2`` of ``T^2`` query-key pairs, ``(T + 1) / (2 T)`` with ``T = keys``
+    (module docstring: exact for ``S_q = S_k``; the load-balanced share of a
+    context-parallel query chunk otherwise).
+
+    Example: ``causal_fraction(8192) = 8193 / 16384 = 0.50006``.
+    """
+    if keys < 1:
+        raise ValueError(f"causal attention over {keys} keys: need at least 1")
+    return (keys + 1) / (2 * keys)
+
+
+def _causal_keys(op: Any, args: Sequence[Any], kwargs: dict) -> int | None:
+    """The key length of a causal attention op (``is_causal`` true), else None."""
+    op = resolve_op(op)
+    if not isinstance(op, OpOverload):
+        return None
+    if op.overloadpacket not in _CAUSAL_OPS:
+        return None
+    names = [a.name for a in op_schema(op).arguments]
+    given = dict(zip(names, args)) | dict(kwargs)  # an omitted is_causal is False
+    if not given.get("is_causal"):
+        return None
+    return int(tuple(_as_shape(given["key"]))[-2])
+
+
 def _eval_flops(op: Any, args: tuple, kwargs: dict, out_shape: Any) -> float:
     own = _FLOP_FORMULAS.get(_packet(op))
     formula = own or flop_registry.get(_packet(op))
     if formula is None:
         return 0.0
+    keys = _causal_keys(op, args, kwargs)
+    if keys is not None:
+        return _eval_formula(op, own, formula, args, kwargs, out_shape) * causal_fraction(keys)
+    return _eval_formula(op, own, formula, args, kwargs, out_shape)
+
+
+def _eval_formula(op: Any, own: Any, formula: Any, args: tuple, kwargs: dict,
+                  out_shape: Any) -> float:
     args = [_as_shape(a) for a in args]
     kwargs = {k: _as_shape(v) for k, v in kwargs.items()}
     if own is not None:
@@ -235,7 +299,9 @@ def op_flops(
         out_shape: local output shape (a tuple of shapes for multi-output ops), or None.
 
     Returns:
-        FLOPs (float); 0.0 for ops without a formula (memory-bound ops).
+        FLOPs (float); 0.0 for ops without a formula (memory-bound ops). A causal
+        attention op (``is_causal=True``) counts :func:`causal_fraction` of PyTorch's
+        formula.
 
     Example:
         ``op_flops(aten.mm.default, [(4096, 4096), (4096, 4096)])`` is

@@ -22,8 +22,9 @@ The model (each part in its module):
   lives until its last backward use;
 * **activation checkpointing** ``memory.activation_checkpointing``: ``full`` keeps only
   each repeated layer's input and recomputes the rest of the layer before its backward
-  (one more forward of the layer in compute time), ``selective`` also keeps the
-  outputs of matmuls and attention (:mod:`.graph` states the rule);
+  (one more forward of the layer in compute time), ``selective`` is torchtitan's
+  op-level policy: it also keeps the outputs of attention and of every other matmul
+  (``selective_all_matmuls``: of every matmul); :mod:`.graph` states the rules;
 * the **peak**: a liveness walk in graph order (forward, then backward) with the
   redistributed inputs, re-gathered weights, recomputed values and unreduced gradients
   as transients: :mod:`.liveness`.

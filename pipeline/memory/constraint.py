@@ -23,6 +23,14 @@ with every row added (the record says which). A limit below the smallest linear 
 any allowed plan reaches, ``sum_g min_{k allowed} c_g(k)`` (exact: the row is
 separable), is infeasible before any solve; so is a cut whose smallest value exceeds
 ``M``.
+
+The allocator reserve. A device needs more than the liveness peak: the caching
+allocator's reserve and fragmentation, NCCL's and the kernels' workspaces and the
+optimizer step's temporaries (:mod:`pipeline.memory.liveness` lists them). The model
+takes them as ``memory.reserve_fraction = f`` of the peak, so the device holds
+``(1 + f) * peak`` (the *reserved* bytes, ``torch.cuda.memory_reserved``'s analogue),
+and the limit ``M`` bounds that: every row above and the check compare the linear model
+and the peak with ``M / (1 + f)`` (exact, the rows being linear).
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from pipeline.memory.options import format_bytes
 from pipeline.solvers.mrf import LinearConstraint
 
 __all__ = ["MAX_ROUNDS", "ROW_NAME", "FitResult", "fit_plan", "is_memory_row", "memory_row",
-           "smallest_memory"]
+           "reserved", "smallest_memory"]
 
 ROW_NAME = "device_memory"
 #: Solves at most (the first one included) while the peak exceeds the limit.
@@ -68,18 +76,32 @@ def smallest_memory(coef: dict[int, np.ndarray], unary: list[np.ndarray]) -> flo
     return total
 
 
+def reserved(nbytes: float, reserve_fraction: float) -> float:
+    """Bytes a device reserves for ``nbytes`` live: ``(1 + f) * nbytes`` (module
+    docstring)."""
+    return float(nbytes) * (1.0 + float(reserve_fraction))
+
+
+def _with_reserve(nbytes: float, reserve_fraction: float) -> str:
+    """``X`` or ``X (+ f reserve: Y)`` for messages."""
+    if not reserve_fraction:
+        return format_bytes(nbytes)
+    return (f"{format_bytes(nbytes)} (x {1 + reserve_fraction:g} with memory.reserve_fraction"
+            f"={reserve_fraction:g}: {format_bytes(reserved(nbytes, reserve_fraction))})")
+
+
 def check_feasible(coef: dict[int, np.ndarray], unary: list[np.ndarray], limit: float,
-                   limit_text: str) -> float:
-    """Raise PlanError (one line) when no allowed plan's linear memory fits ``limit``;
-    returns the smallest linear memory."""
+                   limit_text: str, reserve_fraction: float = 0.0) -> float:
+    """Raise PlanError (one line) when no allowed plan's linear memory, with the
+    allocator reserve, fits ``limit``; returns the smallest linear memory."""
     least = smallest_memory(coef, unary)
-    if least > limit:
+    if reserved(least, reserve_fraction) > limit:
         raise PlanError(
             f"constraints.device_memory={limit_text}: infeasible, the smallest memory any "
-            f"plan reaches is {format_bytes(least)} ({int(least)} B: parameters, gradients, "
-            f"optimizer state, buffers and saved activations per device) > "
-            f"{format_bytes(limit)}; raise the limit, shard over more devices or use "
-            "memory.activation_checkpointing=full")
+            f"plan reaches is {_with_reserve(least, reserve_fraction)} ({int(least)} B: "
+            f"parameters, gradients, optimizer state, buffers and saved activations per "
+            f"device) > {format_bytes(limit)}; raise the limit, shard over more devices or "
+            "use memory.activation_checkpointing=full")
     return least
 
 
@@ -100,17 +122,19 @@ def fit_plan(solve: Callable[[list[LinearConstraint]], Any],
              peak_coef: Callable[[Any], dict[int, np.ndarray]],
              coef: dict[int, np.ndarray], limit: float, unary: list[np.ndarray],
              limit_text: str, node_name: Callable[[int], str] = str,
-             max_rounds: int = MAX_ROUNDS) -> FitResult:
+             max_rounds: int = MAX_ROUNDS, reserve_fraction: float = 0.0) -> FitResult:
     """Solve with the memory row, check the liveness peak, cut until the plan fits.
 
     ``solve(rows)`` solves the MRF with the given memory rows and returns a result with
     ``labels``; ``peak_of(labels)`` returns its :class:`~pipeline.memory.liveness.Liveness`,
     ``peak_coef(liveness)`` the row of the memory live at its peak (module docstring).
-    Raises PlanError when a cut cannot be met by any allowed plan or no plan fits after
-    ``max_rounds`` solves.
+    ``reserve_fraction``: the allocator reserve ``f``; the rows and the peak are held
+    to ``limit / (1 + f)``. Raises PlanError when a cut cannot be met by any allowed plan
+    or no plan fits after ``max_rounds`` solves.
     """
-    least = check_feasible(coef, unary, limit, limit_text)
-    rows = [memory_row(coef, limit)]
+    least = check_feasible(coef, unary, limit, limit_text, reserve_fraction)
+    high = limit / (1.0 + reserve_fraction)
+    rows = [memory_row(coef, high)]
     rounds: list[dict[str, Any]] = []
     for _ in range(max_rounds):
         result = solve(list(rows))
@@ -121,21 +145,23 @@ def fit_plan(solve: Callable[[list[LinearConstraint]], Any],
         rounds.append({"rows": len(rows), "linear_bytes": linear,
                        "peak_bytes": float(live.peak_bytes), "peak_node": at,
                        "objective": float(result.objective)})
-        if live.peak_bytes <= limit:
+        if live.peak_bytes <= high:
             return FitResult(result, rows, rounds, live)
         cut = peak_coef(live)
         floor = smallest_memory(cut, unary)
-        if floor > limit:
+        if floor > high:
             raise PlanError(
                 f"constraints.device_memory={limit_text}: infeasible, at {at} the smallest "
-                f"memory any plan reaches is {format_bytes(floor)} > {format_bytes(limit)} "
-                f"(the smallest linear memory is {format_bytes(least)}); raise the limit or "
-                "use memory.activation_checkpointing=full")
-        rows.append(memory_row(cut, limit, at))
+                f"memory any plan reaches is {_with_reserve(floor, reserve_fraction)} > "
+                f"{format_bytes(limit)} (the smallest linear memory is "
+                f"{format_bytes(least)}); raise the limit or use "
+                "memory.activation_checkpointing=full")
+        rows.append(memory_row(cut, high, at))
     last = rounds[-1]
     raise PlanError(
         f"constraints.device_memory={limit_text}: no plan found that fits, the last of "
-        f"{len(rounds)} solves peaks at {format_bytes(last['peak_bytes'])} at "
+        f"{len(rounds)} solves peaks at "
+        f"{_with_reserve(last['peak_bytes'], reserve_fraction)} at "
         f"{last['peak_node']} > {format_bytes(limit)} (linear model "
         f"{format_bytes(last['linear_bytes'])}, smallest reachable {format_bytes(least)}); "
         "raise the limit or use memory.activation_checkpointing=full")

@@ -37,14 +37,24 @@ Activation checkpointing acts on the repeated layers of the topology
   backward readers all belong to L is recomputed (not kept); the layer's *inputs*
   (activation storages produced outside L and read by L's forward ops) are kept, as
   ``torch.utils.checkpoint`` keeps the arguments of the checkpointed block;
-* ``selective``: as ``full``, but the outputs of L's matmuls (``mm``, ``bmm``,
-  ``addmm``, ``baddbmm``, ``_scaled_mm``, ``linear``, ``matmul``) and attention ops
-  (the ``_scaled_dot_product_*attention`` and ``_flash_attention_forward`` /
-  ``_efficient_attention_forward`` forward ops, every tensor output including the
-  log-sum-exp) are kept too, whether or not the backward reads them (a save-list
-  policy, ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` with
-  ``MUST_SAVE`` for those ops; torchtitan's op-level SAC saves only every other ``mm``,
-  which this rule does not do); everything else of L is recomputed.
+* ``selective``: torchtitan's op-level selective activation checkpointing (SAC), the
+  policy of its published Llama 3.1 benchmarks (torchtitan commit 9dec370, 2024-12-26,
+  ``torchtitan/parallelisms/parallelize_llama.py``: ``_save_list`` and
+  ``_apply_ac_to_transformer_block``; the same rule today in
+  ``torchtitan/distributed/activation_checkpoint.py``, ``SelectiveAC``). As ``full``,
+  but, each layer's forward ops taken in order, the outputs of the ops of
+  :data:`SAC_SAVE_LIST` are kept (``CheckpointPolicy.MUST_SAVE``: every tensor output,
+  including attention's log-sum-exp, read by the backward or not) **except every
+  second** ``aten.mm``: the layer's forward ``mm`` ops are counted 1, 2, 3, ... and
+  the even-numbered ones are recomputed (``PREFER_RECOMPUTE``), as is every other op
+  of L. On a Llama block (``wq, wk, wv, wo, w1, w3, w2``) that keeps the outputs of
+  ``wq``, ``wv``, ``w1``, ``w2`` and attention and recomputes ``wk``, ``wo``, ``w3``
+  (:func:`sac_saved`).
+  Collectives (torchtitan also saves ``reduce_scatter_tensor``) are edges here, never
+  recomputed;
+* ``selective_all_matmuls``: the rule ``selective`` had before (kept for comparison):
+  as ``full``, but the outputs of every matmul of L (:data:`MATMUL_OPS`) and of its
+  attention ops (:data:`ATTENTION_OPS`) are kept.
 
 Weight copies are never recomputed by checkpointing: they follow
 ``fsdp.reshard_after_forward`` (:mod:`pipeline.memory`).
@@ -62,12 +72,27 @@ import numpy as np
 __all__ = [
     "ATTENTION_OPS",
     "MATMUL_OPS",
+    "SAC_SAVE_LIST",
     "StepGraph",
     "aliases_first_input",
+    "sac_saved",
     "step_graph",
 ]
 
-#: Ops whose outputs selective checkpointing keeps (module docstring).
+#: torchtitan's op-level SAC save list at the benchmarked commit (``_save_list`` of
+#: torchtitan 9dec370 ``torchtitan/parallelisms/parallelize_llama.py``: ``mm``, the
+#: efficient and flash SDPA ops, ``reduce_scatter_tensor`` (a collective: an edge
+#: here), and ``abs`` / ``max`` (the amax of low-precision scaling)).
+SAC_SAVE_LIST = frozenset({
+    "aten.mm.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten.abs.default",
+    "aten.max.default"})
+#: The op whose every second call in a layer SAC recomputes.
+SAC_COUNTED = "aten.mm.default"
+
+#: Ops whose outputs ``selective_all_matmuls`` keeps (module docstring).
 MATMUL_OPS = frozenset({
     "aten.mm.default", "aten.bmm.default", "aten.addmm.default", "aten.baddbmm.default",
     "aten._scaled_mm.default", "aten.linear.default", "aten.matmul.default"})
@@ -140,13 +165,15 @@ class StepGraph:
             its representative slot.
         recomputed: the root slots that checkpointing recomputes in backward, each with
             the layer whose backward recomputes it.
-        held_for: the root slots checkpointing keeps (layer inputs; with ``selective``
-            also matmul and attention outputs), each with the layers whose backward
+        held_for: the root slots checkpointing keeps (layer inputs; with the selective
+            modes also the outputs the policy saves), each with the layers whose backward
             (recomputation) reads them: they live at least until those layers' backward
             starts, read by the backward or not.
         layer_bwd_start: per checkpointed layer, the first backward node (graph order).
         repeated_layers: the layers checkpointing applies to.
         checkpointing: the mode the facts were built for.
+        policy_saved: the forward nodes of repeated layers whose outputs the selective
+            policy keeps (empty for ``none`` and ``full``).
     """
 
     num_nodes: int
@@ -173,6 +200,7 @@ class StepGraph:
     repeated_layers: list[str]
     checkpointing: str
     out_metas: list[list[dict | None]] = field(repr=False, default_factory=list)
+    policy_saved: frozenset[int] = frozenset()
 
     def slot(self, node: int, element: int) -> int:
         """The slot of output ``element`` of ``node`` (``-1``: its single output)."""
@@ -239,10 +267,11 @@ class StepGraph:
     def recomputed_nodes(self) -> np.ndarray:
         """bool ``[num_nodes]``: forward ops that checkpointing runs a second time.
 
-        ``full``: every forward op of a repeated layer; ``selective``: those that are
-        not matmuls or attention. Weight-derived ops (casts and gathers of weights) are
-        excluded: FSDP's backward pre-hook provides the weights (re-gathered with
-        ``reshard_after_forward``), and views launch no kernel anyway.
+        ``full``: every forward op of a repeated layer; the selective modes: those whose
+        outputs the policy does not save (:attr:`policy_saved`). Weight-derived ops
+        (casts and gathers of weights) are excluded: FSDP's backward pre-hook provides
+        the weights (re-gathered with ``reshard_after_forward``), and views launch no
+        kernel anyway.
         """
         out = np.zeros(self.num_nodes, dtype=bool)
         if self.checkpointing == "none":
@@ -252,7 +281,7 @@ class StepGraph:
             if (self.phase[v] != "fwd" or self.target[v] in ("placeholder", "output")
                     or self.layer[v] not in layers or self.weight_derived[v]):
                 continue
-            if self.checkpointing == "selective" and _kept_by_selective(self.target[v]):
+            if v in self.policy_saved:
                 continue
             out[v] = True
         return out
@@ -265,8 +294,47 @@ class StepGraph:
                          for u, _, v, _ in self.edges], dtype=bool)
 
 
-def _kept_by_selective(target: str) -> bool:
-    return target in MATMUL_OPS or target in ATTENTION_OPS
+def sac_saved(targets: list[str], mode: str = "selective") -> list[bool]:
+    """Which of one layer's forward ops (their targets, in execution order) a selective
+    policy saves (module docstring).
+
+    ``selective`` (torchtitan's op-level SAC): an op of :data:`SAC_SAVE_LIST` is saved,
+    except the even-numbered ``aten.mm`` calls (counted from 1 within the layer);
+    ``selective_all_matmuls``: every op of :data:`MATMUL_OPS` or :data:`ATTENTION_OPS`.
+
+    Example: ``[mm, add, mm, flash_attention, mm, mm]`` -> ``[True, False, False, True,
+    True, False]``.
+    """
+    if mode == "selective_all_matmuls":
+        return [t in MATMUL_OPS or t in ATTENTION_OPS for t in targets]
+    if mode != "selective":
+        raise ValueError(f"sac_saved: mode={mode!r} is not a selective mode")
+    out, count = [], 0
+    for t in targets:
+        if t == SAC_COUNTED:
+            count += 1
+            out.append(count % 2 == 1)
+        else:
+            out.append(t in SAC_SAVE_LIST)
+    return out
+
+
+def _policy_saved(graph: StepGraph) -> frozenset[int]:
+    """The nodes a selective mode saves: per repeated layer, its forward ops in graph
+    order (weight-derived ops excluded: the casts FSDP makes before the block runs)."""
+    if not graph.checkpointing.startswith("selective"):
+        return frozenset()
+    layers = set(graph.repeated_layers)
+    ops: dict[str, list[int]] = {}
+    for v in range(graph.num_nodes):
+        if (graph.layer[v] in layers and graph.phase[v] == "fwd" and not graph.weight_derived[v]
+                and graph.target[v] not in ("placeholder", "output")):
+            ops.setdefault(graph.layer[v], []).append(v)
+    out: set[int] = set()
+    for nodes in ops.values():
+        keep = sac_saved([graph.target[v] for v in nodes], graph.checkpointing)
+        out.update(v for v, k in zip(nodes, keep) if k)
+    return frozenset(out)
 
 
 def _repeated_layers(summary: dict) -> list[str]:
@@ -281,7 +349,7 @@ def step_graph(tt: Any, checkpointing: str = "none") -> StepGraph:
 
     Args:
         tt: :class:`pipeline.stages.topology.TopologyTables`.
-        checkpointing: ``none``, ``full`` or ``selective``.
+        checkpointing: ``none``, ``full``, ``selective`` or ``selective_all_matmuls``.
     """
     from pipeline.memory.options import CHECKPOINTING
 
@@ -367,6 +435,7 @@ def step_graph(tt: Any, checkpointing: str = "none") -> StepGraph:
         recomputed={}, held_for={}, layer_bwd_start={},
         repeated_layers=_repeated_layers(tt.summary), checkpointing=checkpointing,
         out_metas=out_metas)
+    graph.policy_saved = _policy_saved(graph)
     _classify(graph)
     return graph
 
@@ -392,7 +461,7 @@ def _classify(graph: StepGraph) -> None:
         lay = graph.layer[v]
         if lay in layers and graph.phase[v] == "bwd" and not graph.is_sink[v]:
             graph.layer_bwd_start.setdefault(lay, v)
-    # Layer inputs (full / selective) and kept matmul / attention outputs (selective).
+    # Layer inputs (every mode) and the outputs the selective policy saves.
     forced: dict[int, list[str]] = {}
     if layers:
         for u, el, v, _ in edges:
@@ -409,10 +478,9 @@ def _classify(graph: StepGraph) -> None:
             held = forced.setdefault(r, [])
             if lay not in held:
                 held.append(lay)
-        if mode == "selective":
-            for v in range(graph.num_nodes):
-                if (graph.layer[v] in layers and graph.phase[v] == "fwd"
-                        and _kept_by_selective(graph.target[v])):
+        if mode.startswith("selective"):
+            for v in sorted(graph.policy_saved):
+                if graph.layer[v] in layers and graph.phase[v] == "fwd":
                     for s in graph.slots_of[v]:
                         if s >= 0 and graph.root[s] == s:
                             held = forced.setdefault(s, [])

@@ -213,7 +213,7 @@ def walk(tt: Any, graph: StepGraph, options: MemoryOptions, strategy: np.ndarray
         if st_kind[st] == "transient":
             st_kind[st] = "saved_activations"
 
-    # Checkpointing keeps layer inputs (and selective matmul / attention outputs) until
+    # Checkpointing keeps layer inputs (and the outputs a selective policy saves) until
     # the backward of the layers that recompute from them.
     for r, held in graph.held_for.items():
         st = st_of_slot[r]

@@ -14,10 +14,15 @@ linear.<kind>              its terms by kind (:data:`~pipeline.memory.terms.KIND
 peak_minus_linear_bytes    ``peak_bytes - linear_bytes``: the transients the row cannot
                            see, less the gradients not yet produced at the peak
 peak_over_linear           ``peak_bytes / linear_bytes``
+reserve_fraction           ``memory.reserve_fraction`` ``f``
+reserved_bytes             ``(1 + f) * peak_bytes``: what the device reserves (allocator
+                           reserve, communication buffers, workspaces beyond the live
+                           tensors; pipeline/memory/constraint.py), the figure to compare
+                           with a measured ``torch.cuda.max_memory_reserved``
 optimizer, optimizer_state_tensors, activation_checkpointing, reshard_after_forward
                            the options the model used
-limit_bytes, fits          ``constraints.device_memory`` and whether the peak is within it
-                           (only with a limit)
+limit_bytes, fits          ``constraints.device_memory`` and whether the reserved bytes
+                           are within it (only with a limit)
 cuts, rounds               the nodes whose live memory the liveness check bounded
                            (one row each) and every solve's ``{rows, linear_bytes,
                            peak_bytes, peak_node, objective}`` (only with a limit)
@@ -34,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.memory.constraint import reserved
 from pipeline.memory.graph import StepGraph
 from pipeline.memory.liveness import Liveness
 from pipeline.memory.terms import LinearTerms
@@ -58,6 +64,8 @@ def memory_record(graph: StepGraph, terms: LinearTerms, live: Liveness, strategy
         "linear": linear,
         "peak_minus_linear_bytes": float(live.peak_bytes) - total,
         "peak_over_linear": float(live.peak_bytes) / total if total > 0 else 0.0,
+        "reserve_fraction": float(opts.reserve_fraction),
+        "reserved_bytes": reserved(live.peak_bytes, opts.reserve_fraction),
         "optimizer": opts.optimizer,
         "optimizer_state_tensors": opts.state_tensors,
         "activation_checkpointing": opts.checkpointing,
@@ -65,7 +73,7 @@ def memory_record(graph: StepGraph, terms: LinearTerms, live: Liveness, strategy
     }
     if limit is not None:
         out["limit_bytes"] = float(limit)
-        out["fits"] = bool(live.peak_bytes <= limit)
+        out["fits"] = bool(out["reserved_bytes"] <= limit)
         if rounds:
             out["cuts"] = [r["peak_node"] for r in rounds[:-1]]
             out["rounds"] = [dict(r) for r in rounds]

@@ -1,8 +1,9 @@
 """``constraints.device_memory`` and the memory record, end to end (``python -m pipeline``).
 
 Toy on 8 devices without the parameter budget: the cheapest plan is DDP (replicated
-weights). A limit one byte below that plan's liveness peak must change the plan, which
-then fits, and costs no less; the exact program with the same row costs at least
+weights). A limit one byte below that plan's reserved bytes (``(1 +
+memory.reserve_fraction)`` x its liveness peak, the default fraction 0.23) must change
+the plan, which then fits, and costs no less; the exact program with the same row costs at least
 TRW-S's lower bound. Bad values fail with one line, exit 2, nothing written.
 """
 
@@ -43,7 +44,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     proc = _run(tmp)
     assert proc.returncode == 0, proc.stderr[-2000:]
     free, _ = _record(tmp)
-    limit = int(free["memory"]["peak_bytes"]) - 1
+    assert free["memory"]["reserve_fraction"] == 0.23
+    assert free["memory"]["reserved_bytes"] == 1.23 * free["memory"]["peak_bytes"]
+    limit = int(free["memory"]["reserved_bytes"]) - 1
     for solver in ("approx", "ilp"):
         proc = _run(tmp, f"constraints.device_memory={limit}", f"solver={solver}")
         assert proc.returncode == 0, proc.stderr[-2000:]
@@ -67,7 +70,7 @@ def test_memory_is_recorded_for_every_plan(runs: tuple[Path, int]) -> None:
     params = sol[sol.role == "param"]
     assert set(params.memory_kind) == {"parameters+optimizer_state"}
     report = pd.read_parquet(tmp / "report" / "runs.parquet")
-    assert {"memory.peak_bytes", "memory.linear.saved_activations",
+    assert {"memory.peak_bytes", "memory.reserved_bytes", "memory.linear.saved_activations",
             "memory.peak.transient"} <= set(report.columns)
 
 
@@ -78,7 +81,8 @@ def test_limit_below_the_peak_changes_the_plan_and_it_fits(runs: tuple[Path, int
         rec, sol = _record(tmp, f"constraints.device_memory={limit}", f"solver={solver}")
         mem = rec["memory"]
         assert rec["placement_hash"] != free["placement_hash"]
-        assert mem["fits"] is True and mem["peak_bytes"] <= limit == mem["limit_bytes"]
+        assert mem["fits"] is True and mem["reserved_bytes"] <= limit == mem["limit_bytes"]
+        assert mem["reserved_bytes"] == 1.23 * mem["peak_bytes"]
         assert rec["objective"] >= free["objective"]
         assert max(sol["live_bytes"]) == mem["peak_bytes"]
         assert mem["rounds"][0]["peak_bytes"] == free["memory"]["peak_bytes"]
@@ -108,7 +112,8 @@ def test_unreachable_limit_is_one_line(runs: tuple[Path, int]) -> None:
     ("optimizer=lion", "optimizer=lion: allowed adamw, none, sgd"),
     ("optimizer.name=lion", "optimizer.name=lion: allowed adamw, sgd, none"),
     ("memory.activation_checkpointing=some",
-     "memory.activation_checkpointing=some: allowed none, full, selective"),
+     "memory.activation_checkpointing=some: allowed none, full, selective, "
+     "selective_all_matmuls"),
 ])
 def test_bad_memory_values(tmp_path: Path, override: str, message: str) -> None:
     proc = _run(tmp_path, override)

@@ -39,8 +39,15 @@ BAD_CASES = [
      "worker processes)"),
     ("fuse-maybe", ["costs.fuse_pointwise=maybe"], ["overrides=costs.fuse_pointwise=maybe"],
      "costs.fuse_pointwise=maybe: allowed true, false"),
+    ("reserve-negative", ["memory.reserve_fraction=-0.1"],
+     ["overrides=memory.reserve_fraction=-0.1"],
+     "memory.reserve_fraction=-0.1: allowed a number >= 0 (the fraction of the liveness "
+     "peak a device reserves beyond it)"),
     ("costs-unknown", ["costs.fuse=1"], ["overrides=costs.fuse=1"],
-     "costs.fuse=1: unknown key; allowed keys at costs: fuse_pointwise, flatten_mesh"),
+     "costs.fuse=1: unknown key; allowed keys at costs: compile, fuse_pointwise, "
+     "flatten_mesh"),
+    ("compile-maybe", ["costs.compile=maybe"], ["overrides=costs.compile=maybe"],
+     "costs.compile=maybe: allowed true, false"),
     ("bool-2", ["repeated_layers=2"], ["repeated_layers=2"],
      "repeated_layers=2: allowed true, false"),
 ]

@@ -115,9 +115,12 @@ def evaluation_of(run: Run) -> Any:
     session)."""
     from cost_evaluator import evaluate_plan
 
+    from pipeline.config.readers import fuse_pointwise_config
+
     def make() -> Any:
         mesh = tuple(int(m) for m in run.cfg.mesh)
-        return evaluate_plan(run.plan, topology_of(run), mesh, run.cfg.hardware)
+        return evaluate_plan(run.plan, topology_of(run), mesh, run.cfg.hardware,
+                             fuse=fuse_pointwise_config(run.cfg))
 
     return run.shared.memo("evaluation", make)
 

@@ -185,7 +185,7 @@ def test_bad_input_load_config(case):
     (["model.foo=1"], "model.foo=1: unknown key; allowed keys at model: name, dim,"),
     (["+foo=1"], "+foo=1: unknown key"),
     (["~mesh"], "~mesh: schema keys cannot be deleted"),
-    (["hardware=nope"], "hardware=nope: allowed a100, b200, h100, h200"),
+    (["hardware=nope"], "hardware=nope: allowed a100, b200, h100, h100_96gb, h200"),
     (["experiment=nope"], "experiment=nope: allowed"),
     (["model.dim=abc"], "model.dim=abc: allowed an integer"),
     (["solver.backend=gurobi"], "solver.backend=gurobi: allowed highs, cbc"),
@@ -522,6 +522,23 @@ def test_a_changed_value_gives_a_new_path_below_its_level_only():
     unfused = _dirs(["model=toy", "costs.fuse_pointwise=false"])
     assert unfused.topology == base.topology and unfused.costs != base.costs
     assert _dirs(["model=toy", "costs.fuse_pointwise=true"]) == base  # the default
+    compiled = _dirs(["model=toy", "costs.compile=true"])
+    assert compiled.topology == base.topology and compiled.costs != base.costs
+    assert _dirs(["model=toy", "costs.compile=false"]) == base  # the default
+
+
+def test_fusion_credit_only_when_compiled():
+    """The pointwise-fusion credit is on only for a compiled step (``costs.compile``)
+    that keeps ``costs.fuse_pointwise`` (default true); eager (the default) fuses
+    nothing."""
+    from pipeline.config.readers import fuse_pointwise_config
+
+    on = {(c, f): fuse_pointwise_config(load_resolved(
+        ["model=toy", f"costs.compile={c}", f"costs.fuse_pointwise={f}"]))
+        for c in ("true", "false") for f in ("true", "false")}
+    assert on == {("true", "true"): True, ("true", "false"): False,
+                  ("false", "true"): False, ("false", "false"): False}
+    assert fuse_pointwise_config(load_resolved(["model=toy"])) is False
 
 
 def test_stage_dirs_are_the_same_across_processes_and_hash_seeds(tmp_path):

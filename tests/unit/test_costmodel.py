@@ -218,8 +218,9 @@ def test_flops_on_local_shapes():
     # heads sharded 2-way: the local op does half the work
     half = op_flops("aten._scaled_dot_product_flash_attention.default", [(2, 4, 128, 64)] * 3)
     assert half == full / 2
-    # backward: 2.5x the forward matmuls (5 bmm)
-    bwd_args = [(2, 8, 128, 64)] * 5 + [(2, 8, 128), None, None, 128, 128, 0.0, True, None, None]
+    # backward: 2.5x the forward matmuls (5 bmm), not causal
+    bwd_args = [(2, 8, 128, 64)] * 5 + [(2, 8, 128), None, None, 128, 128, 0.0, False, None,
+                                        None]
     bwd = op_flops(aten._scaled_dot_product_flash_attention_backward.default, bwd_args)
     assert bwd == 2.5 * full
     # a 'raw' formula (wants tensors): shapes are turned into meta tensors (PyTorch's
@@ -240,6 +241,33 @@ def test_flops_on_local_shapes():
         out_shape=(8, 16, 32, 32),
     )
     assert conv == 2 * 8 * 16 * 32 * 32 * 3 * 3 * 3
+
+
+def test_causal_attention_counts_the_pairs_the_mask_keeps():
+    """Causal attention over T = 4 keys keeps 1 + 2 + 3 + 4 = 10 of the 16 query-key
+    pairs (counted by hand: query i sees keys 0..i), so the op costs 10/16 of the
+    unmasked formula; at T = 8192 the fraction is 8193 / 16384, forward and backward."""
+    import numpy as np
+
+    from pipeline.costmodel.compute import causal_fraction
+
+    mask = np.tril(np.ones((4, 4), dtype=bool))  # torch's is_causal mask, top-left
+    assert causal_fraction(4) == mask.sum() / mask.size == 10 / 16
+    fwd = aten._scaled_dot_product_flash_attention.default
+    b, h, s, d = 2, 32, 8192, 128
+    dense = 4 * b * h * s * s * d  # QK^T and PV: 2 matmuls of 2 b h s s d
+    assert op_flops(fwd, [(b, h, s, d)] * 3) == dense
+    assert op_flops(fwd, [(b, h, s, d)] * 3 + [0.0, True]) == dense * 8193 / 16384
+    assert op_flops(fwd, [(b, h, s, d)] * 3, {"is_causal": True}) == dense * 8193 / 16384
+    assert op_flops(fwd, [(b, h, s, d)] * 3 + [0.0, False]) == dense
+    bwd = aten._scaled_dot_product_flash_attention_backward.default
+    args = [(b, h, s, d)] * 5 + [(b, h, s), None, None, s, s, 0.0, True, None, None]
+    assert op_flops(bwd, args) == 2.5 * dense * 8193 / 16384
+    # the efficient kernel reads is_causal at another position
+    eff = aten._scaled_dot_product_efficient_attention.default
+    assert op_flops(eff, [(b, h, s, d)] * 3 + [None, True, 0.0, True]) == dense * 8193 / 16384
+    with pytest.raises(ValueError, match="at least 1"):
+        causal_fraction(0)
 
 
 # --------------------------------------------------------------------------- comm

@@ -186,23 +186,117 @@ def test_saved_activations_with_checkpointed_blocks(toy1: TopologyTables) -> Non
     assert outside == 2 * (1024 * 256 + 256)
 
 
-def test_selective_checkpointing_keeps_matmul_and_attention_outputs(
-        toy1: TopologyTables) -> None:
-    terms = linear_terms(toy1, step_graph(toy1, "selective"),
-                         MemoryOptions(checkpointing="selective"))
+def test_sac_policy_on_a_sequence_of_ops() -> None:
+    """torchtitan's op-level SAC, by hand: save-list ops are saved, but the mm calls are
+    counted 1, 2, 3, ... within the layer and the even ones recomputed; every other op
+    is recomputed. The earlier rule saves every matmul and attention output."""
+    from pipeline.memory.graph import sac_saved
+
+    mm, bmm = "aten.mm.default", "aten.bmm.default"
+    flash = "aten._scaled_dot_product_flash_attention.default"
+    ops = [mm, "aten.add.Tensor", mm, flash, mm, "aten.mul.Tensor", mm, "aten.abs.default",
+           "aten.max.default", bmm, mm]
+    assert sac_saved(ops) == [True, False, False, True, True, False, False, True, True,
+                              False, True]
+    assert sac_saved(ops, "selective_all_matmuls") == [True, False, True, True, True, False,
+                                                       True, False, False, True, True]
+    # a Llama block: wq, wk, wv, attention, wo, w1, w3, w2
+    block = [mm, mm, mm, flash, mm, mm, mm, mm]
+    assert [n for n, s in zip(["wq", "wk", "wv", "attn", "wo", "w1", "w3", "w2"],
+                              sac_saved(block)) if s] == ["wq", "wv", "attn", "w1", "w2"]
+    with pytest.raises(ValueError, match="not a selective mode"):
+        sac_saved(ops, "full")
+
+
+def test_sac_policy_saves_the_ops_torch_dispatches(toy1: TopologyTables) -> None:
+    """The toy step run eagerly on CPU with every block under torch's selective
+    checkpointing (``create_selective_checkpoint_contexts``) and torchtitan's policy,
+    written here from its description (save ``mm``, flash / efficient attention,
+    ``abs``, ``max``; every second ``mm`` of the block recomputed): the ops the policy
+    saves in the first block's forward, in dispatch order, are the ones the graph's
+    rule saves in that layer, in graph order."""
+    import torch.utils.checkpoint as ckpt
+
+    from pipeline.models.llama import ModelConfig
+    from pipeline.models.llama_decoder import Transformer, rope_tables
+
+    save = {torch.ops.aten.mm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten.abs.default, torch.ops.aten.max.default}
+    decisions: list[list[tuple[str, bool]]] = []
+
+    def context() -> Any:
+        count = {"mm": 0}
+        mine: list[tuple[str, bool]] = []
+        decisions.append(mine)
+
+        def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+            if func == torch.ops.aten.mm.default:
+                count["mm"] += 1
+            keep = func in save and not (
+                func == torch.ops.aten.mm.default and count["mm"] % 2 == 0)
+            if not ctx.is_recompute:
+                mine.append((str(func), keep))
+            return (ckpt.CheckpointPolicy.MUST_SAVE if keep
+                    else ckpt.CheckpointPolicy.PREFER_RECOMPUTE)
+        return ckpt.create_selective_checkpoint_contexts(policy)
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**TOY))
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    cos, sin = rope_tables(TOY["dim"] // TOY["n_heads"], TOY["seq_len"], TOY["rope_theta"])
+    model.freqs_cos.copy_(cos)
+    model.freqs_sin.copy_(sin)
+    for layer in model.layers:
+        def run(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, f: Any = layer.forward
+                ) -> torch.Tensor:
+            return ckpt.checkpoint(f, x, c, s, use_reentrant=False, context_fn=context)
+        layer.forward = run
+    tokens = torch.randint(0, TOY["vocab_size"], (TOY["batch_size"], TOY["seq_len"]))
+    labels = torch.randint(0, TOY["vocab_size"], (TOY["batch_size"], TOY["seq_len"]))
+    with _gpu_like_cpu_ops():  # the forward decides what is saved
+        assert model(tokens, labels).isfinite()
+    torch_saved = [name for name, keep in decisions[0] if keep]
+    assert [name for name, _ in decisions[0]].count("aten.mm.default") == 7
+    assert torch_saved == ["aten.mm.default", "aten.mm.default",
+                           "aten._scaled_dot_product_flash_attention.default",
+                           "aten.mm.default", "aten.mm.default"]
+    graph = step_graph(toy1, "selective")
+    first = graph.repeated_layers[0]
+    ours = [graph.target[v] for v in sorted(graph.policy_saved) if graph.layer[v] == first]
+    assert ours == torch_saved
+
+
+@pytest.mark.parametrize("mode", ["selective", "selective_all_matmuls"])
+def test_selective_checkpointing_keeps_the_policy_outputs(toy1: TopologyTables,
+                                                          mode: str) -> None:
+    graph = step_graph(toy1, mode)
+    terms = linear_terms(toy1, graph, MemoryOptions(checkpointing=mode))
     kinds = terms.by_kind(_replicated(toy1))
     tokens = 2 * 64
     bf16 = 2
-    # Per block: the input h, the seven matmul outputs (q 256, k 128, v 128, wo 256,
-    # w1 768, w3 768, w2 256 wide), the attention output (8 heads x 32), its fp32
-    # log-sum-exp (8 heads) and the philox seed (2 x uint64) and offset (one uint64).
-    per_block = (tokens * 256 * bf16
-                 + tokens * (256 + 128 + 128 + 256 + 768 + 768 + 256) * bf16
+    # Per block: the input h, the matmul outputs the policy saves (the block's mm in
+    # order: q 256, k 128, v 128, wo 256, w1 768, w3 768, w2 256 wide; torchtitan's
+    # SAC keeps the odd-numbered ones: q, v, w1, w2), the attention output (8 heads x
+    # 32), its fp32 log-sum-exp (8 heads) and the philox seed (2 x uint64) and offset
+    # (one uint64).
+    widths = (256, 128, 768, 256) if mode == "selective" else (256, 128, 128, 256, 768, 768,
+                                                                256)
+    per_block = (tokens * 256 * bf16 + tokens * sum(widths) * bf16
                  + tokens * 8 * 32 * bf16 + tokens * 8 * 4 + 16 + 8)
     outside = 128 * 4 + 128 * 256 * 2 + 128 * 1024 * 4 + 4 + tokens * 256 * bf16
     assert kinds["saved_activations"] == 2 * per_block + outside
     # reshard_after_forward=true (default): weight copies are re-gathered in backward.
     assert kinds["gathered_weights"] == 0
+    # the recomputed matmuls are the even-numbered ones of each block (SAC) or none
+    mms = [v for v, t in enumerate(graph.target) if t == "aten.mm.default"
+           and graph.phase[v] == "fwd" and graph.layer[v] in graph.repeated_layers]
+    again = graph.recomputed_nodes()
+    assert len(mms) == 14
+    assert [bool(again[v]) for v in mms] == (
+        [False, True] * 3 + [False]) * 2 if mode == "selective" else [False] * 14
 
 
 def test_fsdp_parameter_gradient_and_adamw_bytes_on_8(toy8: TopologyTables) -> None:
@@ -446,6 +540,62 @@ def test_limit_below_the_peak_changes_the_plan_which_fits(toy8: TopologyTables) 
     assert exact.status == "Optimal"
     assert fit.result.lower_bound <= exact.objective + 1e-6
     assert exact.objective <= fit.result.objective + 1e-6
+
+
+def test_reserve_term_is_added_before_the_limit(toy8: TopologyTables) -> None:
+    """``memory.reserve_fraction = f``: the device reserves (1 + f) x the liveness peak,
+    and that is what the limit bounds. By hand with f = 0.25: the free (DDP) plan's
+    reserved bytes are 1.25 x its peak; a limit one byte below that (still 25 % above the
+    peak) is met by a plan whose peak is at most limit / 1.25: the same solves as
+    without a reserve against limit / 1.25. The run record reports both figures."""
+    from pipeline.core.errors import PlanError
+    from pipeline.costmodel.factors import group_structure
+    from pipeline.costmodel.hardware import load_hardware
+    from pipeline.memory.constraint import check_feasible, fit_plan, reserved
+    from pipeline.memory.model import memory_model
+    from pipeline.memory.record import memory_record
+    from pipeline.solvers.lagrangian import solve_with_rows
+    from pipeline.solvers.trws import solve_trws
+    from pipeline.stages.costs.stage import build_mrf
+
+    assert reserved(10 * 2**30, 0.25) == 12.5 * 2**30
+    assert reserved(10 * 2**30, 0.0) == 10 * 2**30
+    hw = load_hardware(str(Path(__file__).resolve().parents[2] / "conf/hardware/h100.yaml"))
+    mrf = build_mrf(toy8, hw, lazy=True).mrf
+    gs = group_structure(toy8)
+    opts = MemoryOptions(reserve_fraction=0.25)
+    model = memory_model(toy8, gs.group_of, gs.domain, opts)
+    coef = model.coef()
+    free = solve_trws(mrf)
+    plan0 = np.asarray(free.labels)
+    peak0 = model.walk_labels(plan0).peak_bytes
+
+    def fit(limit: float) -> Any:
+        return fit_plan(lambda rows: solve_with_rows(mrf, rows, solve_trws), model.walk_labels,
+                        model.peak_coef, coef, limit, mrf.unary, f"{int(limit)}",
+                        reserve_fraction=0.25)
+
+    # limit L with the reserve is the liveness check against L / 1.25, bit for bit
+    limit = 1.25 * peak0 - 1  # 25 % above the free plan's peak, below its reserved bytes
+    with_reserve = fit(limit)
+    same = fit_plan(lambda rows: solve_with_rows(mrf, rows, solve_trws), model.walk_labels,
+                    model.peak_coef, coef, limit / 1.25, mrf.unary, "x")
+    assert [r.high for r in with_reserve.rows] == [r.high for r in same.rows]
+    assert with_reserve.rows[0].high == limit / 1.25
+    assert list(with_reserve.result.labels) == list(same.result.labels)
+    assert with_reserve.peak.peak_bytes < peak0
+    assert reserved(with_reserve.peak.peak_bytes, 0.25) <= limit
+    strategy = plan0[gs.group_of]
+    record = memory_record(model.graph, model.terms, model.walk(strategy), strategy,
+                           list(toy8.nodes["name"]), 1.25 * peak0 - 1)
+    assert record["peak_bytes"] == peak0 and record["reserve_fraction"] == 0.25
+    assert record["reserved_bytes"] == 1.25 * peak0 and record["fits"] is False
+    # a limit below 1.25 x the smallest linear memory is refused, naming the reserve
+    least = check_feasible(coef, mrf.unary, 10 * peak0, "big", 0.25)
+    with pytest.raises(PlanError, match=r"^constraints\.device_memory=tight: infeasible, .*"
+                                        r"x 1\.25 with memory\.reserve_fraction=0\.25"):
+        check_feasible(coef, mrf.unary, 1.25 * least - 1, "tight", 0.25)
+    check_feasible(coef, mrf.unary, 1.25 * least, "exact", 0.25)
 
 
 def test_checkpointing_pays_the_recomputed_forward_again(toy8: TopologyTables) -> None:

@@ -130,8 +130,8 @@ def test_global_tokens() -> None:
     assert global_tokens({}) is None
 
 
-TOY_RUNS = (("mesh=8", "lazy_costs=true"), ("mesh=2x4", "mesh_names=[dp,tp]"),
-            ("mesh=2x4x8",))
+TOY_RUNS = (("mesh=8", "lazy_costs=true", "costs.compile=true"),
+            ("mesh=2x4", "mesh_names=[dp,tp]"), ("mesh=2x4x8",))
 
 
 @pytest.mark.toy_runs(*TOY_RUNS)
@@ -143,8 +143,10 @@ def test_toy_step_time_bounds(toy_results: object, overrides: tuple[str, ...]) -
     run = toy_results.run(*overrides)  # type: ignore[attr-defined]
     rec = run.record
     st = rec["step_time"]
-    # the compute stream runs the fused kernels: compute plus the fusion term (<= 0)
+    # the compute stream runs the fused kernels: compute plus the fusion term (< 0 with
+    # costs.compile=true, 0 for the eager default)
     assert st["compute_us"] == pytest.approx(rec["compute_us"] + rec["fusion_us"], rel=1e-12)
+    assert (rec["fusion_us"] < 0) == ("costs.compile=true" in overrides)
     assert st["comm_us"] == pytest.approx(rec["comm_us"], rel=1e-12)
     busiest = max(st["stream_busy_us"].values())
     assert max(st["compute_us"], busiest) <= st["step_time_us"] + 1e-9

@@ -158,14 +158,14 @@ def test_context_parallel_kv_all_gather_and_grad_reduce_scatter_by_hand() -> Non
 
 def test_context_parallel_attention_flops_are_the_full_ops_over_cp() -> None:
     """The local shapes of the CP strategy (q: S/4 rows, k, v: all S) give a quarter of
-    the full op's FLOPs, forward (4 B H Sq Sk D) and backward (PyTorch's formulas, which
-    count the causal mask's full square: the cost is that of a load-balanced split)."""
+    the full op's FLOPs, forward (4 B H Sq Sk D times the causal fraction (S + 1) / (2 S)
+    of the S keys) and backward: the cost is that of a load-balanced split."""
     from pipeline.costmodel.compute import op_flops
 
     fwd = "aten._scaled_dot_product_flash_attention.default"
     full = op_flops(fwd, [(B, H, S, D)] * 3 + [0.0, True])
     local = op_flops(fwd, [(B, H, S // 4, D), (B, H, S, D), (B, H, S, D), 0.0, True])
-    assert full == 4 * B * H * S * S * D
+    assert full == 4 * B * H * S * S * D * (S + 1) / (2 * S)
     assert local == full / 4
     bwd = "aten._scaled_dot_product_flash_attention_backward.default"
     q, kv, lse = (B, H, S // 4, D), (B, H, S, D), (B, H, S // 4)

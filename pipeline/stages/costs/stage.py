@@ -159,8 +159,12 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
             mrf.linear_constraints = [budget.constraint]
     if model is not None and model.limit is not None:
         coef = model.coef()
-        check_feasible(coef, allowed_unaries(mrf), model.limit, str(model.limit_text))
-        mrf.linear_constraints = [*mrf.linear_constraints, memory_row(coef, model.limit)]
+        reserve = model.options.reserve_fraction
+        check_feasible(coef, allowed_unaries(mrf), model.limit, str(model.limit_text),
+                       reserve)
+        # the device reserves (1 + f) x the live bytes: the row bounds them by M / (1 + f)
+        mrf.linear_constraints = [*mrf.linear_constraints,
+                                  memory_row(coef, model.limit / (1.0 + reserve))]
     if not lazy:
         provider.materialise_all(workers)
     return Costs(mrf, budget, provider, topology, hw, memory=model, collectives=collectives,

@@ -269,7 +269,8 @@ def _solve_fitting(cfg: Any, costs: Costs, out_dir: Path) -> tuple[Any, Any, Any
     names = costs.topology.nodes["name"]
     allowed = allowed_unaries(dataclasses.replace(mrf, linear_constraints=others))
     fit = fit_plan(solve, model.walk_labels, model.peak_coef, row.coef, float(model.limit),
-                   allowed, str(model.limit_text), node_name=names.__getitem__)
+                   allowed, str(model.limit_text), node_name=names.__getitem__,
+                   reserve_fraction=model.options.reserve_fraction)
     fit.rows = others + fit.rows
     return fit.result, presolves[-1], fit
 

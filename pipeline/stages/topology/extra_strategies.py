@@ -31,7 +31,9 @@ the backward, grad_q of the chunk is exact and each rank's grad_k / grad_v is it
 queries' contribution: their sum over the ranks is the full gradient (``Partial``).
 
 Cost: the roofline on the local shapes as for every op (pipeline/costmodel/compute.py):
-``q`` has ``S/n`` rows and k, v ``S``, so the FLOPs are the full op's over ``n``. With
+``q`` has ``S/n`` rows and k, v ``S``, so the FLOPs are the full op's over ``n`` (with
+``is_causal`` the full op counts ``(S + 1) / (2 S)`` of the dense formula,
+pipeline/costmodel/compute.py ``causal_fraction``, and so does each rank's chunk). With
 a causal mask that is the work of a *load-balanced* split: a contiguous chunk ``r``
 does ``(2r+1)/n^2`` of the causal work, so the cost assumes the zig-zag (load-balanced)
 sequence order of Megatron-LM / Llama 3 CP (rank ``r`` holds chunks ``r`` and

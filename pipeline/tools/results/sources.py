@@ -63,6 +63,7 @@ RUNS_COLUMNS: tuple[Column, ...] = (
     Column("exposed_comm_us", "exposed comm µs", "us"),
     Column("tokens_per_s_per_device", "tokens/s/device", "rate"),
     Column("memory.peak_bytes", "peak memory GiB", "gib"),
+    Column("memory.reserved_bytes", "reserved GiB", "gib"),
     Column("phases.search_total", "search_total s", "s"),
     Column("peak_rss_bytes.max", "peak RSS GiB", "gib"),
 )
