@@ -38,8 +38,8 @@ last stage's ``B(S-1, i)`` after ``F(S-1, i)``, the loss being part of the last 
 forward). A send between stages on one rank (``p = 1``) is free. Sends run on their own
 stream (torch posts them with ``batch_isend_irecv`` and the receiver waits), so only
 their latency on the critical path is paid. Each rank may start with a delay (its
-first, not overlapped, FSDP all-gather) and end with a tail (its once-per-step gradient
-reduction); the step time is the last rank's end.
+first, not overlapped, FSDP all-gather), and stays held after a stage's last backward
+while its once-per-step gradient reduction runs; the step time is the last rank's end.
 
 Closed forms (equal stages, forward ``f`` and backward ``b`` per microbatch on a rank's
 whole share of the model, no communication): GPipe and 1F1B take ``(m + p - 1)(f + b)``,
@@ -181,12 +181,12 @@ class Timeline:
     """The simulated step of a schedule.
 
     Attributes:
-        step_us: the step time: the last rank's end, tail included.
+        step_us: the step time: the last rank's end.
         busy_us: each rank's compute time (its ops' durations).
-        end_us: each rank's end (last op, then its tail).
+        end_us: each rank's end (its last op, and what holds it after).
         spans: ``{op: (start, end)}`` of every op, µs.
         bubble_fraction: the ranks' idle share of the step,
-            ``1 - sum(busy) / (p * step)``, counting the delays and tails as idle.
+            ``1 - sum(busy) / (p * step)``, counting the start delays and holds as idle.
     """
 
     step_us: float
@@ -211,7 +211,7 @@ def simulate(orders: list[list[Op]], fwd_us: float | Sequence[float],
              bwd_us: float | Sequence[float], *, act_send_us: float | Sequence[float] = 0.0,
              grad_send_us: float | Sequence[float] = 0.0,
              start_us: float | Sequence[float] = 0.0,
-             tail_us: float | Sequence[float] = 0.0) -> Timeline:
+             hold_us: dict[Op, float] | None = None) -> Timeline:
     """Run the ranks' orders as a discrete-event simulation (module docstring).
 
     Args:
@@ -222,8 +222,9 @@ def simulate(orders: list[list[Op]], fwd_us: float | Sequence[float],
             (``S - 1`` numbers or one); ``grad_send_us``: the gradient back, likewise.
         start_us: per rank (or one), when its first op may start (its first FSDP
             all-gather, which nothing overlaps).
-        tail_us: per rank (or one), what runs after its last op (the gradient
-            reduction, once per step).
+        hold_us: ``{op: µs}``, how long the rank stays held after ``op`` ends, not
+            computing (a stage's gradient reduction after its last backward, once per
+            step).
 
     Raises:
         ValueError: a bad length or a negative time; RuntimeError if the orders
@@ -236,7 +237,9 @@ def simulate(orders: list[list[Op]], fwd_us: float | Sequence[float],
     send_f = _per_stage(act_send_us, n_stages - 1, "act_send_us")
     send_b = _per_stage(grad_send_us, n_stages - 1, "grad_send_us")
     free = _per_stage(start_us, p, "start_us")
-    tails = _per_stage(tail_us, p, "tail_us")
+    hold = dict(hold_us or {})
+    if any(v < 0 for v in hold.values()):
+        raise ValueError(f"hold_us: need values >= 0, got {hold}")
     spans: dict[Op, tuple[float, float]] = {}
     nxt = [0] * p
 
@@ -264,8 +267,9 @@ def simulate(orders: list[list[Op]], fwd_us: float | Sequence[float],
                 if at is None:
                     break
                 start = max(free[r], at)
-                free[r] = start + (fwd[op.stage] if op.kind == "F" else bwd[op.stage])
-                spans[op] = (start, free[r])
+                end = start + (fwd[op.stage] if op.kind == "F" else bwd[op.stage])
+                spans[op] = (start, end)
+                free[r] = end + hold.get(op, 0.0)
                 nxt[r] += 1
                 remaining -= 1
                 progressed = True
@@ -274,8 +278,7 @@ def simulate(orders: list[list[Op]], fwd_us: float | Sequence[float],
             raise RuntimeError(f"schedule deadlocks: every rank waits ({stuck})")
     busy = [sum(e - s for op, (s, e) in spans.items() if rank_of_stage(op.stage, p) == r)
             for r in range(p)]
-    ends = [free[r] + tails[r] for r in range(p)]
-    return Timeline(step_us=max(ends), busy_us=busy, end_us=ends, spans=spans)
+    return Timeline(step_us=max(free), busy_us=busy, end_us=list(free), spans=spans)
 
 
 def in_flight(order: list[Op], weights: dict[int, float] | None = None) -> float:

@@ -61,11 +61,11 @@ def test_bubble_figures_by_hand():
 
 
 def test_two_stages_with_a_send_by_hand():
-    """p=2, m=2, GPipe, f=1, b=2, a send of 0.5 each way.
+    """p=2, m=2, GPipe, f=1, b=2, a send of 0.5 each way, rank 0 held 1 after its last op.
     rank0: F0 [0,1] F1 [1,2]; rank1: F0 [1.5,2.5] F1 [2.5,3.5] B0 [3.5,5.5] B1 [5.5,7.5];
     rank0: B0 at 5.5 + 0.5 = 6 -> [6,8], B1 at max(8, 8) -> [8,10]; + tail 1 -> 11."""
     t = simulate(rank_orders("gpipe", 2, 2), 1.0, 2.0, act_send_us=0.5, grad_send_us=0.5,
-                 tail_us=[1.0, 0.0])
+                 hold_us={Op("B", 0, 1): 1.0})
     assert t.spans[Op("B", 0, 0)] == (6.0, 8.0)
     assert t.end_us == [11.0, 7.5] and t.step_us == 11.0
     assert t.busy_us == [6.0, 6.0]
