@@ -1,8 +1,10 @@
-"""The FSDP2 gathers the pipelining model counts (pipeline/costmodel/pipelining.py,
-``fsdp_state``) against torch: two gloo processes run each schedule with
-torch.distributed.pipelining over FSDP2-wrapped stages, and every all-gather a stage's
+"""The pipelining model against torch: two gloo processes run each schedule with
+torch.distributed.pipelining over FSDP2-wrapped stages. The forwards and backwards each
+rank runs (``forward_one_chunk`` / ``backward_one_chunk`` of its stages, in the order they
+run) are :func:`pipeline.costmodel.schedules.rank_orders`', and every all-gather a stage's
 ``FSDPParamGroup.unshard`` issues in one step (the second, after the shape inference of
-the first) is counted per stage."""
+the first) is counted per stage against
+:func:`pipeline.costmodel.pipelining.fsdp_state`."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def _worker(rank: int, store: str, out: str) -> None:
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
     )
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=WORLD)
@@ -47,6 +50,19 @@ def _worker(rank: int, store: str, out: str) -> None:
         return unshard(self, async_op)
 
     FSDPParamGroup.unshard = counting
+    ran: list[tuple[str, int, int]] = []
+    forward, backward = _PipelineStageBase.forward_one_chunk, _PipelineStageBase.backward_one_chunk
+
+    def forward_chunk(self, chunk, *args, **kwargs):
+        ran.append(("F", self.stage_index, chunk))
+        return forward(self, chunk, *args, **kwargs)
+
+    def backward_chunk(self, chunk, *args, **kwargs):
+        ran.append(("B", self.stage_index, chunk))
+        return backward(self, chunk, *args, **kwargs)
+
+    _PipelineStageBase.forward_one_chunk = forward_chunk
+    _PipelineStageBase.backward_one_chunk = backward_chunk
     results = []
     for schedule, raf, m, v in CASES:
         torch.manual_seed(0)
@@ -70,11 +86,12 @@ def _worker(rank: int, store: str, out: str) -> None:
         x, y = torch.randn(2 * m, 8), torch.randn(2 * m, 8)
         for _ in range(2):
             counts.clear()
+            ran.clear()
             if rank == 0:
                 sched.step(x)
             else:
                 sched.step(target=y)
-        results.append(dict(counts))
+        results.append((list(ran), dict(counts)))
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -94,5 +111,7 @@ def test_fsdp_gathers_under_torch_pipelining_match_the_model(tmp_path):
     for i, (schedule, raf, m, v) in enumerate(CASES):
         orders = rank_orders(schedule, WORLD, m, v)
         for r in range(WORLD):
+            order, gathers = measured[r][i]
+            assert order == [(op.kind, op.stage, op.microbatch) for op in orders[r]]
             model = fsdp_state(orders[r], raf, schedule == "interleaved_1f1b")[0]
-            assert measured[r][i] == model, (schedule, raf, m, v, r)
+            assert gathers == model, (schedule, raf, m, v, r)
