@@ -27,6 +27,8 @@ module             job
                    order, its event simulation, the closed forms
 ``pipelining``     a pipelined step from per-stage costs: boundary sends, FSDP2
                    gathers and reductions under pipelining, memory per rank
+``pipeline_split`` the split of the layers into stages: an exact DP over layer
+                   boundaries (Alpa's pipeline latency, memory per stage)
 =================  ==================================================================
 
 This package file imports nothing: importing one module does not import the others.
