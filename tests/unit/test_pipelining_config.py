@@ -142,3 +142,12 @@ def test_helpers_by_hand():
     assert data_parallel_dims("S(0)S(0)R", ["pp", "dp", "tp"]) == [1]
     assert data_parallel_dims("RS(0)S(0)", ["pp", "dp", "tp"]) == [1, 2]
     assert data_parallel_dims("RRS(1)", ["pp", "dp", "tp"]) == []
+
+
+def test_pipeline_keys_are_in_no_directory_key():
+    """Nothing the stages write depends on ``pipeline.*`` yet: the same directories."""
+    from pipeline.config import stage_dirs
+
+    base = stage_dirs(load_resolved(PP70))
+    assert stage_dirs(load_resolved([*PP70, "pipeline.schedule=gpipe",
+                                     "pipeline.microbatches=8"])) == base
