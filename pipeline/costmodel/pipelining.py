@@ -65,7 +65,7 @@ from typing import Any
 
 from pipeline.core.dtypes import itemsize
 from pipeline.costmodel.comm import GroupLayout, rail_bandwidth_per_rank
-from pipeline.costmodel.schedules import Op, Timeline, rank_orders, simulate
+from pipeline.costmodel.schedules import Op, Timeline, in_flight, rank_orders, simulate
 
 __all__ = [
     "MAX_ACTIVE_STAGES",
@@ -297,11 +297,7 @@ def pipelined_step(schedule: str, stages: Sequence[StageCost], ranks: int, micro
         for i in _reduced_after(order, microbatches):
             hold[order[i]] = stages[order[i].stage].reduce_us
         peaks.append(rank_memory(order, stages, during, microbatches))
-        live = peak = 0
-        for op in order:
-            live += 1 if op.kind == "F" else -1
-            peak = max(peak, live)
-        flights.append(peak)
+        flights.append(int(in_flight(order)))
         gather_us.append(sum(stages[s].gather_us * c for s, c in counts.items()))
         reduce_us.append(sum(stages[s].reduce_us for s in counts))
         starts.append(stages[order[0].stage].gather_us)
