@@ -23,6 +23,8 @@ module             job
 ``snakemake``      Snakemake ``--config`` keys as Hydra overrides
                    (:func:`overrides_from_snakemake`), and the part of a resolved config
                    a stage depends on as overrides (:func:`stage_overrides`)
+``pipelining``     ``pipeline.*`` and ``model.microbatches`` against the mesh (``pp``
+                   outermost) and the model; ``auto`` resolved
 ``readers``        plain values the stages pass to the libraries (parameter-memory
                    budget, pointwise fusion, workers), torch-free
 =================  ==================================================================

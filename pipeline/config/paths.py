@@ -83,6 +83,8 @@ def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
     """The part of a *resolved* config that ``stage`` depends on, as plain data.
 
     ``constraints`` leaves out ``device_memory`` (the costs key ``device_memory``),
+    ``model`` leaves out ``microbatches`` when it is 1 (the default: runs without
+    gradient accumulation keep their directories),
     ``solver`` leaves out ``max_memory`` (a guard, pipeline/stages/costs/problem_size.py); the
     memory model's keys appear only when they differ from :data:`MEMORY_KEY_DEFAULTS`.
     """
@@ -97,6 +99,8 @@ def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
             value = OmegaConf.to_container(value, resolve=True)
         if k == "constraints":
             value = {c: v for c, v in value.items() if c != "device_memory"}
+        if k == "model" and value.get("microbatches") == 1:  # the default keeps its key
+            value = {c: v for c, v in value.items() if c != "microbatches"}
         if k == "solver":  # a guard on the problem's size, not a result-shaping key
             value = {c: v for c, v in value.items() if c != "max_memory"}
         if k in MEMORY_KEY_DEFAULTS and value == MEMORY_KEY_DEFAULTS[k]:

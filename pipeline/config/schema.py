@@ -161,6 +161,32 @@ class CostsConfig:
 
 
 @dataclass
+class PipelineConfig:
+    """Pipeline parallelism (``pipeline.*``; docs/pipelining.md). The pipeline degree is
+    the size of the mesh dim named ``pp``, which must be the outermost; without one there
+    is no pipeline and these keys keep their defaults. Checked and resolved by
+    :mod:`pipeline.config.pipelining`.
+
+    Attributes:
+        schedule: ``gpipe``, ``1f1b`` or ``interleaved_1f1b``
+            (``torch.distributed.pipelining``'s ``ScheduleGPipe``, ``Schedule1F1B``,
+            ``ScheduleInterleaved1F1B``).
+        microbatches: microbatches per step, dividing the local batch, or ``auto`` (one
+            sample per microbatch, torchtitan's default microbatch size of 1).
+        virtual_stages: stages per pp rank (``interleaved_1f1b``: at least 2; else 1).
+        split: ``auto`` (the repeated layers in ``pp x virtual_stages`` contiguous stages
+            of sizes differing by at most one, the larger first) or the explicit layer
+            boundaries ``[0, b1, ..., n_layers]``, increasing, stage ``s`` holding layers
+            ``[b_s, b_{s+1})``.
+    """
+
+    schedule: str = "1f1b"
+    microbatches: Any = "auto"
+    virtual_stages: int = 1
+    split: Any = "auto"
+
+
+@dataclass
 class PaperConfig:
     """The runs behind the paper's tables and figures (set by ``conf/experiment/paper*.yaml``;
     read by :mod:`pipeline.tools.paper`, not part of any stage's key).
@@ -189,6 +215,8 @@ class Config:
             (:class:`pipeline.memory.options.MemoryConfig`,
             :class:`pipeline.memory.options.FsdpConfig`).
         costs: cost-model options, see :class:`CostsConfig`.
+        pipeline: pipeline parallelism over the ``pp`` mesh dim, see
+            :class:`PipelineConfig`.
         mesh: device mesh shape: ``"2,4,8"``, ``"2x4x8"``, ``8`` or a list; resolved
             to a list of ints.
         mesh_names: one name per mesh dim (``None``: dp / dp,tp / dp,cp,tp by rank).
@@ -222,6 +250,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     fsdp: FsdpConfig = field(default_factory=FsdpConfig)
     costs: CostsConfig = field(default_factory=CostsConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     mesh: Any = "2,4,8"
     mesh_names: list[str] | None = None
     lazy_costs: bool | None = None
@@ -274,7 +303,7 @@ def schema_type(key: str) -> tuple[Any, bool] | None:
 SCHEMAS: dict[str, Any] = {c.__name__: c for c in (
     Config, ModelConfig, HFModelConfig, CustomModelConfig, InputSpec, HardwareConfig,
     SolverConfig, ConstraintsConfig, NodeConstraint, ParamMemoryConfig, PaperConfig,
-    CostsConfig)}
+    CostsConfig, PipelineConfig)}
 SCHEMAS["LinkConfig"] = typing.get_type_hints(HardwareConfig)["intra_node"]
 
 

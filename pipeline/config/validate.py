@@ -17,6 +17,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from pipeline import models as model_families
 from pipeline.config.overrides import override_value, printable
+from pipeline.config.pipelining import resolve_pipeline
 from pipeline.config.schema import (
     DEFAULT_MESH_NAMES,
     MIP_BACKENDS,
@@ -335,7 +336,10 @@ def resolve(cfg: DictConfig) -> DictConfig:
 
     * ``mesh`` -> list of ints; ``mesh_names`` -> default names by rank if ``null``;
     * ``lazy_costs: null`` -> ``true`` for approx, ``false`` for ilp/lp;
-    * ``constraints.param_memory.high: null`` -> ``1 / prod(mesh)``.
+    * ``constraints.param_memory.high: null`` -> ``1 / prod(mesh)``;
+    * ``pipeline.microbatches: auto`` -> a count, ``pipeline.split: auto`` -> the layer
+      boundaries, when a ``pp`` mesh dim makes a pipeline
+      (:func:`pipeline.config.pipelining.resolve_pipeline`).
 
     Idempotent: resolving a resolved config returns an equal config.
 
@@ -401,6 +405,7 @@ def resolve(cfg: DictConfig) -> DictConfig:
                           f"(got solver={out.solver.name})")
     _check_constraints(out.constraints, mesh)
     _check_recipe(out.recipe, names, out.constraints)
+    pipeline_microbatches, split = resolve_pipeline(out, mesh, names)
     try:
         validate_memory_config(out)
     except ValueError as err:
@@ -410,6 +415,8 @@ def resolve(cfg: DictConfig) -> DictConfig:
     out.mesh = mesh
     out.mesh_names = names
     out.lazy_costs = bool(lazy)
+    out.pipeline.microbatches = pipeline_microbatches
+    out.pipeline.split = split
     if out.constraints.param_memory is not None and out.constraints.param_memory.high is None:
         out.constraints.param_memory.high = 1.0 / math.prod(mesh)
     OmegaConf.set_struct(out, True)

@@ -21,6 +21,14 @@ module             job
                    dtype
 ``breakdown``      a plan's objective split per node and per edge (run record)
 ``steptime``       overlap-aware step time of a plan (compute and comm streams)
+``accumulation``   gradient accumulation: a step of k microbatches from one
+                   microbatch's simulated step
+``schedules``      pipeline schedules (gpipe, 1f1b, interleaved 1f1b): each rank's
+                   order, its event simulation, the closed forms
+``pipelining``     a pipelined step from per-stage costs: boundary sends, FSDP2
+                   gathers and reductions under pipelining, memory per rank
+``pipeline_split`` the split of the layers into stages: an exact DP over layer
+                   boundaries (Alpa's pipeline latency, memory per stage)
 =================  ==================================================================
 
 This package file imports nothing: importing one module does not import the others.

@@ -237,6 +237,12 @@ def _classify(g: StepInputs) -> tuple[list[int], list[int], list[int], list[int 
     return kind, ekind, order, unit
 
 
+def gradient_edges(g: StepInputs) -> list[bool]:
+    """Per edge, whether it is a **gradient** edge (module docstring): the reductions a
+    step without gradient synchronisation skips (pipeline/costmodel/accumulation.py)."""
+    return [k == _GRADIENT for k in _classify(g)[1]]
+
+
 # --------------------------------------------------------------------------- simulation
 
 

@@ -68,6 +68,8 @@ class CustomModelConfig:
         inputs: the forward's inputs, in order (:class:`InputSpec`).
         loss: ``cross_entropy``, ``output`` or ``{_target_: dotted.path, ...}``.
         param_dtype, reduce_dtype: compute and gradient-reduction dtypes.
+        microbatches: gradient accumulation: microbatches per step, splitting the first
+            input's dim 0 (docs/pipelining.md).
         trace_env: set by ``resolve()`` (torch version, builder / loss source hashes).
     """
 
@@ -78,6 +80,7 @@ class CustomModelConfig:
     loss: Any = "cross_entropy"
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
+    microbatches: int = 1
     trace_env: dict[str, Any] = field(default_factory=dict)
 
 

@@ -79,6 +79,7 @@ class HFModelConfig:
         config: fields of the transformers config (``n_layer``, ``hidden_size``, ...);
             unknown fields are refused.
         batch_size, seq_len: global batch and sequence length of the token batch.
+        microbatches: gradient accumulation: microbatches per step (docs/pipelining.md).
         decoder_seq_len: seq2seq only: decoder length (``None``: ``seq_len``).
         param_dtype, reduce_dtype: compute and gradient-reduction dtypes.
         attn_implementation: ``fused`` (the planner's fused SDPA op), or transformers'
@@ -95,6 +96,7 @@ class HFModelConfig:
     task: str = "causal_lm"
     config: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 8
+    microbatches: int = 1
     seq_len: int = 1024
     decoder_seq_len: int | None = None
     param_dtype: str = "bfloat16"

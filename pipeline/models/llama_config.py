@@ -25,6 +25,9 @@ class ModelConfig:
             layers another FFN width (used to test repeated-layer detection).
         rope_theta, norm_eps: RoPE base and RMSNorm epsilon.
         vocab_size, seq_len, batch_size: vocabulary, sequence length, global batch.
+        microbatches: gradient accumulation: the step's batch runs as this many
+            microbatches, one gradient reduction per step (docs/pipelining.md; checked
+            with the mesh by ``pipeline.config.pipelining``).
         param_dtype, reduce_dtype: compute and gradient-reduction dtypes.
         trace_env: set by ``resolve()``: the versions the graph depends on
             (:func:`pipeline.models.trace_key`).
@@ -44,6 +47,7 @@ class ModelConfig:
     vocab_size: int = 128256
     seq_len: int = 2048
     batch_size: int = 16
+    microbatches: int = 1
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
     trace_env: dict[str, Any] = field(default_factory=dict)

@@ -58,8 +58,8 @@ BAD = [
     (["--model", "toy", "--solver", "ilp", "--lazy-costs", "true", "--output", "{out}"],
      "lazy_costs=true: lazy costs need solver=approx (got solver=ilp)"),
     (["--model", "toy", "--solver", "approx", "--moe-layout", "2d", "--output", "{out}"],
-     "--moe-layout 2d: no mixture-of-experts model here; allowed models llama1b, llama70b, "
-     "llama8b, toy without --moe-layout"),
+     "--moe-layout 2d: no mixture-of-experts model here; allowed models llama1b, llama405b, "
+     "llama70b, llama8b, toy without --moe-layout"),
     (["--model", "toy", "--solver", "approx", "--output", "{out}", "solver.max_iters=0"],
      "solver.max_iters=0: allowed an integer >= 1"),
     (["--model", "toy", "--solver", "approx", "--output", "{out}", "verbose"],

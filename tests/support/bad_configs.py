@@ -18,7 +18,7 @@ BAD_CASES = [
      "mesh_names=[dp,dp,tp]: names must be unique (dp repeated)"),
     ("solver-foo", ["solver=foo"], ["solver=foo"], "solver=foo: allowed approx, ilp, lp"),
     ("model-nosuch", ["model=nosuch"], ["model=nosuch"],
-     "model=nosuch: allowed llama1b, llama70b, llama8b, toy"),
+     "model=nosuch: allowed llama1b, llama405b, llama70b, llama8b, toy"),
     ("lazy-maybe", ["lazy_costs=maybe"], ["lazy_costs=maybe"],
      "lazy_costs=maybe: allowed true, false, null"),
     ("lazy-ilp", ["lazy_costs=true", "solver=ilp"], ["lazy_costs=true", "solver=ilp"],
@@ -31,7 +31,7 @@ BAD_CASES = [
      "solver.max_iters=0: allowed an integer >= 1"),
     ("unknown-key", ["foo=1"], ["overrides=foo=1"],
      "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
-     "optimizer, constraints, memory, fsdp, costs, mesh, mesh_names, lazy_costs, "
+     "optimizer, constraints, memory, fsdp, costs, pipeline, mesh, mesh_names, lazy_costs, "
      "stamp_layers, repeated_layers, recipe, optimality_check, results_dir, experiment, "
      "revision_label, workers, paper"),
     ("workers-negative", ["workers=-1"], ["workers=-1"],

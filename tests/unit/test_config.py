@@ -58,17 +58,19 @@ def test_every_option_of_every_group_composes(group):
 
 
 def test_group_options_are_the_expected_files():
-    assert group_options("model") == ["llama1b", "llama70b", "llama8b", "toy"]
+    assert group_options("model") == ["llama1b", "llama405b", "llama70b", "llama8b", "toy"]
     assert group_options("solver") == ["approx", "ilp", "lp"]
     assert "h100" in group_options("hardware")
 
 
 # Published shapes (Meta's params.json / Dubey et al. 2024, Table 3): FFN hidden sizes
-# 8192 (1B), 14336 (8B), 28672 (70B); toy: 256 * ceil(int(8 * 256 / 3) / 256) = 768.
+# 8192 (1B), 14336 (8B), 28672 (70B), 53248 (405B: 4096 * ceil(int(1.2 * 43690) / 4096));
+# toy: 256 * ceil(int(8 * 256 / 3) / 256) = 768.
 @pytest.mark.parametrize("name, dim, layers, heads, kv, hidden", [
     ("llama1b", 2048, 16, 32, 8, 8192),
     ("llama8b", 4096, 32, 32, 8, 14336),
     ("llama70b", 8192, 80, 64, 8, 28672),
+    ("llama405b", 16384, 126, 128, 8, 53248),
     ("toy", 256, 2, 8, 4, 768),
 ])
 def test_model_presets(name, dim, layers, heads, kv, hidden):
@@ -490,7 +492,10 @@ def test_stage_dirs_layout():
     assert d.trace == Path(*parts[:3]) and d.topology == Path(*parts[:4])
     assert d.costs == Path(*parts[:6]) and d.report == Path("results/report")
     model = OmegaConf.to_container(cfg.model)
+    assert model.pop("microbatches") == 1  # the default stays out of the key
     assert parts[2] == "toy-" + config_hash({"model": model})
+    accumulated = stage_dirs(load_resolved(["model=toy", "model.microbatches=2"]))
+    assert accumulated.trace.name != d.trace.name
     assert stage_dirs(load_resolved(["solver=ilp", "model=toy"])).costs.name == "eager"
 
 
