@@ -39,6 +39,8 @@ STAGES: tuple[str, ...] = ("trace", "topology", "costs", "solve", "report")
 GROUPS: tuple[str, ...] = ("model", "hardware", "solver", "optimizer", "experiment")
 
 SOLVER_NAMES: tuple[str, ...] = ("approx", "ilp", "lp")
+#: ``solver.objective``: what the plan returned minimises (pipeline/stages/solve/objective.py).
+SOLVER_OBJECTIVES: tuple[str, ...] = ("step_time", "additive")
 DEFAULT_MESH_NAMES: dict[int, list[str]] = {1: ["dp"], 2: ["dp", "tp"], 3: ["dp", "cp", "tp"]}
 
 
@@ -75,6 +77,13 @@ class SolverConfig:
             topology before the costs stage builds anything (pipeline/stages/costs/problem_size.py)
             and a problem estimated above it is refused in one line. A guard, not part
             of any directory key.
+        objective: ``step_time`` (default): return the candidate plan with the smallest
+            simulated step time, and bound the step time from below
+            (pipeline/stages/solve/objective.py); ``additive``: the solver's plan of the
+            additive objective alone, as before (no step-time bound).
+        step_time_rounds: ``step_time``: re-weighted solves after the additive one at
+            most (the search stops earlier at a fixed point or a cycle); 0: the additive
+            plan and the bound only.
     """
 
     name: str = "approx"
@@ -87,6 +96,8 @@ class SolverConfig:
     mip_gap: float = 0.0
     threads: int = 1
     max_memory: Any = None
+    objective: str = "step_time"
+    step_time_rounds: int = 4
 
 
 @dataclass

@@ -21,6 +21,7 @@ from pipeline.config.schema import (
     DEFAULT_MESH_NAMES,
     MIP_BACKENDS,
     SOLVER_NAMES,
+    SOLVER_OBJECTIVES,
     Config,
     ConfigError,
     allowed_text,
@@ -196,6 +197,9 @@ def _check_solver(s: Any) -> None:
     need(s.backend in MIP_BACKENDS, "backend", "allowed " + ", ".join(MIP_BACKENDS))
     need(_is_num(s.mip_gap) and 0 <= s.mip_gap < 1, "mip_gap", "allowed a number in [0, 1)")
     need(_is_int(s.threads) and s.threads >= 1, "threads", "allowed an integer >= 1")
+    need(s.objective in SOLVER_OBJECTIVES, "objective", "allowed " + ", ".join(SOLVER_OBJECTIVES))
+    need(_is_int(s.step_time_rounds) and s.step_time_rounds >= 0, "step_time_rounds",
+         "allowed an integer >= 0")
     if s.max_memory is not None:
         try:
             parse_bytes(s.max_memory, "solver.max_memory")
