@@ -102,7 +102,7 @@ def exposed_shares(g: StepInputs, sim: StepTime) -> np.ndarray:
     timed = sorted((issue[e], e) for e in grads if comm[e] > 0)
     best, best_i, suffix = -math.inf, -1, 0.0
     tails = []
-    for t, e in reversed(timed):
+    for _, e in reversed(timed):
         suffix += comm[e]
         tails.append(suffix)
     tails.reverse()
