@@ -18,8 +18,8 @@ Search (deterministic):
    (:data:`DAMPING`; ``w = 1`` at the start: the additive objective). The same solver
    solves the additive objective with ``comm_e`` replaced by ``w_e comm_e``
    (pipeline/costmodel/reweight.py, ``surrogate_mrf``; same groups, labels and linear
-   rows: the parameter-memory budget and the device-memory row and cuts are honoured). Its plan is simulated and becomes a candidate and the
-   current plan.
+   rows: the parameter-memory budget and the device-memory row and cuts are honoured).
+   Its plan is simulated and becomes a candidate and the current plan.
 3. **Stop** at a *fixed point*, when the solver returns the plan the weights came from
    and no weight moved by more than :data:`WEIGHT_TOL`, or after
    ``solver.step_time_rounds`` re-solves (``rounds``); ``step_time_search.stop`` says
