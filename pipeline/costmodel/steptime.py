@@ -3,7 +3,8 @@ mesh dim, simulated in graph order.
 
 The solvers minimise the additive objective ``E(x) = sum compute + sum comm +
 transitions`` (pipeline/costmodel/model.py). A real step overlaps part of the communication with
-compute; this module estimates by how much, for the chosen plan only, with the same
+compute; this module estimates by how much, for each candidate plan of the step-time
+search (pipeline/stages/solve/objective.py), with the same
 node and edge times the objective used (:func:`pipeline.costmodel.breakdown.plan_breakdown`:
 each node's ``compute_us``, each redistribution's ``comm_us``; the per-mesh-dim steps
 of a redistribution from :func:`pipeline.costmodel.redistribute.redistribute_steps`,
