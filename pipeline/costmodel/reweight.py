@@ -5,11 +5,12 @@ The additive objective of pipeline/costmodel/model.py is, per graph edge ``e``,
 (:meth:`~pipeline.costmodel.model.CostModel.edge_terms`, ``CostModel.op_comm``). Two
 other objectives are built here over the same groups, labels and linear rows:
 
-* :func:`surrogate_mrf`, the step-time surrogate of the search
+* :class:`Surrogate`, the step-time surrogate of the search
   (pipeline/stages/solve/objective.py): ``comm_e`` weighted by ``w_e``
   (pipeline/costmodel/exposure.py), everything else unchanged. Only the group factors
   (and group unaries, for edges inside a group) with a member edge of ``w_e != 1`` are
-  rebuilt; the others are the base MRF's own.
+  rebuilt, from the base factor and those members' redistribution tables; the others
+  are the base MRF's own.
 * :class:`StreamObjective`, the stream objective of the step-time lower bound
   (pipeline/solvers/step_bound.py): ``theta * C(x) + c * M(x)`` with ``C`` the compute
   stream's additive part, ``sum_v (compute_v + fusion_v)`` (the simulated compute
@@ -20,8 +21,8 @@ other objectives are built here over the same groups, labels and linear rows:
   group edges with a fusion term are kept (no redistribution table is computed; the
   forbidden pairs are dropped, a relaxation).
 
-A group factor is built as :class:`~pipeline.costmodel.factors.FactorProvider` builds
-one: the joint classes of its member edges (``np.unique`` over the stacked class
+A group factor of the stream objective is built as
+:class:`~pipeline.costmodel.factors.FactorProvider` builds one: the joint classes of its member edges (``np.unique`` over the stacked class
 vectors), each member's table gathered and added in graph-edge order.
 """
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from pipeline.solvers.mrf import MRF, PairwiseFactor
 
-__all__ = ["StreamObjective", "surrogate_mrf"]
+__all__ = ["StreamObjective", "Surrogate", "surrogate_mrf"]
 
 Terms = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
@@ -87,37 +88,93 @@ def _group_factor(members: list[tuple[int, bool]],
                           table)
 
 
+class Surrogate:
+    """The step-time surrogates of one base MRF (module docstring): :meth:`mrf` gives
+    ``base`` with every graph edge's redistribution weighted by ``weight[e]``.
+
+    A rebuilt group factor is the base factor's table plus ``(w_e - 1) comm_e`` of each
+    member edge with ``w_e != 1``, gathered onto the base factor's joint classes (the
+    classes :class:`~pipeline.costmodel.factors.FactorProvider` builds, recomputed from the
+    member edges' class vectors and checked against the base factor's); a forbidden pair
+    stays forbidden. The redistribution tables and joint classes are memoised across
+    calls (the rounds of a search re-weight the same edges).
+    """
+
+    def __init__(self, base: MRF, cost_model: Any, groups: Any):
+        self.base, self.cm, self.groups = base, cost_model, groups
+        self.terms = _Terms(cost_model)
+        self._joint: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _classes(self, ge: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per member of group edge ``ge``, its row / column class within the joint
+        classes (``[R, members]``, ``[C, members]``)."""
+        hit = self._joint.get(ge)
+        if hit is not None:
+            return hit
+        rows, cols = [], []
+        for e, flipped in self.groups.edge_members[ge]:
+            r, c = self.terms(e)[:2]
+            rows.append(c if flipped else r)
+            cols.append(r if flipped else c)
+        f = self.base.factor(ge)
+        if len(rows) == 1:
+            ur = np.arange(int(np.max(rows[0])) + 1)[:, None]
+            uc = np.arange(int(np.max(cols[0])) + 1)[:, None]
+            rinv, cinv = rows[0], cols[0]
+        else:
+            ur, rinv = np.unique(np.stack(rows, axis=1), axis=0, return_inverse=True)
+            uc, cinv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
+        if not (np.array_equal(np.reshape(rinv, -1), f.row_cls)
+                and np.array_equal(np.reshape(cinv, -1), f.col_cls)
+                and f.table.shape == (len(ur), len(uc))):
+            raise RuntimeError(f"Surrogate: group edge {ge}: its member edges' classes "
+                               "differ from the base factor's")
+        hit = self._joint[ge] = (ur, uc)
+        return hit
+
+    def mrf(self, weight: np.ndarray) -> MRF:
+        """The surrogate MRF for ``weight`` (float64 ``[num graph edges]``, ``>= 0``).
+        The linear rows are ``base``'s; it offers no table to share."""
+        groups, base = self.groups, self.base
+        weight = np.asarray(weight, dtype=np.float64)
+        if weight.shape != (groups.num_graph_edges,) or (weight < 0).any():
+            raise ValueError("Surrogate.mrf: one weight >= 0 per graph edge expected")
+        changed = weight != 1.0
+        factors: dict[int, PairwiseFactor] = {}
+        for ge, members in enumerate(groups.edge_members):
+            moved = [(k, e, flipped) for k, (e, flipped) in enumerate(members) if changed[e]]
+            if not moved:
+                continue
+            f = base.factor(ge)
+            ur, uc = self._classes(ge)
+            table = np.array(f.table, dtype=np.float64, copy=True)
+            for k, e, flipped in moved:
+                comm = self.terms(e)[2]
+                if flipped:
+                    comm = comm.T
+                part = comm[np.ix_(ur[:, k], uc[:, k])]
+                # a forbidden pair is +inf in the base table already
+                np.add(table, (float(weight[e]) - 1.0) * np.where(np.isinf(part), 0.0, part),
+                       out=table)
+            factors[ge] = PairwiseFactor(f.row_cls, f.col_cls, table)
+        unary = list(base.unary)
+        for g, inside in enumerate(groups.self_edges):
+            for e in inside:
+                if changed[e]:
+                    r, c, comm = self.terms(e)[:3]
+                    d = comm[r, c]
+                    # an infinite entry is infinite in the base unary already
+                    unary[g] = unary[g] + (float(weight[e]) - 1.0) * np.where(
+                        np.isinf(d), 0.0, d)
+        base_factor = base.factor
+        return dataclasses.replace(
+            base, unary=unary, share=None,
+            factor=lambda ge: factors[ge] if ge in factors else base_factor(ge))
+
+
 def surrogate_mrf(base: MRF, cost_model: Any, groups: Any, weight: np.ndarray) -> MRF:
-    """``base`` with every graph edge's redistribution weighted by ``weight[e]``
-    (float64 ``[num graph edges]``, ``>= 0``; module docstring). The linear rows are
-    ``base``'s; the result offers no table to share (its tables are its own)."""
-    weight = np.asarray(weight, dtype=np.float64)
-    if weight.shape != (groups.num_graph_edges,) or (weight < 0).any():
-        raise ValueError("surrogate_mrf: one weight >= 0 per graph edge expected")
-    changed = weight != 1.0
-    terms = _Terms(cost_model)
-
-    def table_of(e: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        r, c, comm, trans, fus = terms(e)
-        return r, c, _weighted(comm, float(weight[e])) + trans + fus
-
-    factors: dict[int, PairwiseFactor] = {}
-    for ge, members in enumerate(groups.edge_members):
-        if any(changed[e] for e, _ in members):
-            factors[ge] = _group_factor(members, table_of)
-    unary = list(base.unary)
-    for g, inside in enumerate(groups.self_edges):
-        for e in inside:
-            if changed[e]:
-                r, c, comm, _, _ = terms(e)
-                d = comm[r, c]
-                finite = np.isfinite(d)  # an infinite entry stays infinite in the unary
-                delta = (float(weight[e]) - 1.0) * np.where(finite, d, 0.0)
-                unary[g] = unary[g] + delta
-    base_factor = base.factor
-    return dataclasses.replace(
-        base, unary=unary, share=None,
-        factor=lambda ge: factors[ge] if ge in factors else base_factor(ge))
+    """``Surrogate(base, cost_model, groups).mrf(weight)`` (one surrogate)."""
+    return Surrogate(base, cost_model, groups).mrf(weight)
 
 
 class StreamObjective:

@@ -17,7 +17,7 @@ Search (deterministic):
    cannot hide) and the weights move half way to it, ``w <- w + (s - w) / 2``
    (:data:`DAMPING`; ``w = 1`` at the start: the additive objective). The same solver
    solves the additive objective with ``comm_e`` replaced by ``w_e comm_e``
-   (pipeline/costmodel/reweight.py, ``surrogate_mrf``; same groups, labels and linear
+   (pipeline/costmodel/reweight.py, ``Surrogate``; same groups, labels and linear
    rows: the parameter-memory budget and the device-memory row and cuts are honoured).
    Its plan is simulated and becomes a candidate and the current plan.
 3. **Stop** at a *fixed point*, when the solver returns the plan the weights came from
@@ -64,7 +64,7 @@ import numpy as np
 from pipeline.costmodel.breakdown import plan_breakdown
 from pipeline.costmodel.exposure import exposed_shares
 from pipeline.costmodel.factors import group_structure
-from pipeline.costmodel.reweight import StreamObjective, surrogate_mrf
+from pipeline.costmodel.reweight import StreamObjective, Surrogate
 from pipeline.costmodel.steptime import StepInputs, StepTime, plan_step_inputs, simulate
 from pipeline.solvers.mrf import MRF
 from pipeline.solvers.result import SolverResult, relative_gap
@@ -161,12 +161,13 @@ def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
     seen = {cand.labels.tobytes(): 0}
     stop, current = "rounds", 0
     weights = np.ones(len(cm.edges))
+    surrogate = Surrogate(mrf, cm, groups)
     solves = 0
     for it in range(1, int(cfg.solver.step_time_rounds) + 1):
         target = exposed_shares(inputs, sim)
         step = DAMPING * (target - weights)
         weights = weights + step
-        res = solve(surrogate_mrf(mrf, cm, groups, weights))
+        res = solve(surrogate.mrf(weights))
         solves += 1
         key = np.asarray(res.labels, dtype=np.int64).tobytes()
         if key in seen:
