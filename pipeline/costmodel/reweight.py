@@ -22,8 +22,9 @@ other objectives are built here over the same groups, labels and linear rows:
   forbidden pairs are dropped, a relaxation).
 
 A group factor of the stream objective is built as
-:class:`~pipeline.costmodel.factors.FactorProvider` builds one: the joint classes of its member edges (``np.unique`` over the stacked class
-vectors), each member's table gathered and added in graph-edge order.
+:class:`~pipeline.costmodel.factors.FactorProvider` builds one: the joint classes of its
+member edges (``np.unique`` over the stacked class vectors), each member's table
+gathered and added in graph-edge order.
 """
 
 from __future__ import annotations
