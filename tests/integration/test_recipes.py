@@ -102,9 +102,13 @@ def test_recipe_placements(toy_results: object, overrides: tuple[str, ...]) -> N
     if overrides[0] == "mesh=2x4":
         free_run = FREE if inputs == "S(0)R" else FREE_DATA
         free = toy_results.run(*free_run).record  # type: ignore[attr-defined]
+        additive = free["step_time_search"]["candidates"][0]["additive_us"]  # its plan
         assert run.record["objective"] >= free["lower_bound"] - 1e-6
-        assert run.record["objective"] >= free["objective"] - 1e-6  # certified optimum
-        assert free["certified"]
+        assert run.record["objective"] >= additive - 1e-6  # the certified additive optimum
+        assert free["additive_status"] == "Optimal"
+        assert abs(additive - free["lower_bound"]) <= 1e-9 * additive
+        # the recipe's plan is one of the free problem's: no plan steps below its bound
+        assert run.record["step_time_us"] >= free["step_time_lower_bound_us"] * (1 - 1e-9)
 
 
 @pytest.mark.toy_runs(*RECIPE_RUNS, FREE, MESH)

@@ -22,10 +22,10 @@ pipeline/core/artifacts.py (a run record's own version is its ``schema_version``
 records written before versioning have none).
 
 A run is reported only when its record can be trusted (:func:`record_problem`): a
-``run.json`` that is not a JSON object, whose objective lies below its own lower bound,
-or whose ``placement_hash`` does not match the placements in its ``solution.parquet``
-(or whose tables cannot be read) is skipped with a one-line warning naming the file;
-the other runs are reported as usual.
+``run.json`` that is not a JSON object, whose objective lies below its own lower bound
+(or step time below its own step-time bound), or whose ``placement_hash`` does not
+match the placements in its ``solution.parquet`` (or whose tables cannot be read) is
+skipped with a one-line warning naming the file; the other runs are reported as usual.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def _read_record(path: Path) -> dict[str, Any]:
 def record_problem(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     """``(record, None)`` for a trustworthy run record, ``(None, why)`` otherwise: the
     file does not parse as a JSON object, its objective is below its own lower bound
-    (by more than :data:`BOUND_RTOL`), or its ``placement_hash`` differs from the hash
+    or its step time below its own step-time bound (by more than :data:`BOUND_RTOL`),
+    or its ``placement_hash`` differs from the hash
     of the placements in the run's ``solution.parquet`` (or that table is unreadable)."""
     from pipeline.stages.solve.stage import placement_hash
 
@@ -105,6 +106,11 @@ def record_problem(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     if isinstance(obj, (int, float)) and isinstance(bound, (int, float)) \
             and obj < bound - BOUND_RTOL * max(1.0, abs(obj)):
         return None, f"objective={obj} is below its own lower_bound={bound}"
+    step, step_bound = rec.get("step_time_us"), rec.get("step_time_lower_bound_us")
+    if isinstance(step, (int, float)) and isinstance(step_bound, (int, float)) \
+            and step < step_bound - BOUND_RTOL * max(1.0, abs(step)):
+        return None, (f"step_time_us={step} is below its own "
+                      f"step_time_lower_bound_us={step_bound}")
     solution = path.parent / SOLUTION.name
     try:
         table = runtime.read_parquet(solution, columns=["node", "name", "output_placement",
