@@ -394,6 +394,10 @@ def resolve(cfg: DictConfig) -> DictConfig:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _check_solver(out.solver)
+    u = out.costs.step_time_uncertainty
+    if not (_is_num(u) and 0 <= u < 1):
+        raise ConfigError(f"costs.step_time_uncertainty={_shown(u)}: allowed a number in "
+                          "[0, 1) (relative)")
     if not (_is_int(out.workers) and out.workers >= 0):
         raise ConfigError(f"workers={_shown(out.workers)}: allowed 0 (one process per "
                           "available CPU) or an integer >= 1 (1: no worker processes)")

@@ -47,7 +47,9 @@ solver; ``step_time_gap = (step_time_us - bound) / max(1, step_time_us)``). The 
 evaluates ``theta = 1``, the compute stream alone (:data:`BOUND_STEPS`). ``status``
 is ``Optimal`` only when that gap closes (:data:`STEP_TIME_RTOL`); the additive
 certificate (``lower_bound``, ``gap``, ``certified``, ``additive_status``) keeps its
-own fields, for the additive objective of the chosen plan (``additive_us``).
+own fields: they certify the additive solve's plan (candidate 0, its objective
+``additive_plan_us``); ``objective`` and ``additive_us`` are the chosen plan's additive
+objective.
 """
 
 from __future__ import annotations
@@ -109,11 +111,13 @@ class Candidate:
 @dataclass
 class SearchOutcome:
     """The chosen plan (``result``: labels and its additive objective), the search's
-    record entry and the step-time bound."""
+    record entry, the step-time bound and the additive objective of the additive solve's
+    plan (candidate 0, the plan the additive certificate is about)."""
 
     result: SolverResult
     record: dict[str, Any]
     lower_bound_us: float
+    additive_plan_us: float = math.nan
 
 
 class _Evaluator:
@@ -216,7 +220,7 @@ def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
                   "theta": bound.theta, "streams": num_dims, "history": bound.history,
                   "seconds": time.perf_counter() - start},
     }
-    return SearchOutcome(result, record, bound.lower_bound_us)
+    return SearchOutcome(result, record, bound.lower_bound_us, cands[0].additive_us)
 
 
 def step_time_fields(step_time_us: float, outcome: SearchOutcome | None) -> dict[str, Any]:
