@@ -80,3 +80,50 @@ def test_stream_objective_is_compute_and_comm(toy):
         assert parts.fusion_us.sum() < 0 and m > 0
         assert compute_only.evaluate(labels) == pytest.approx(c, rel=1e-9)
         assert mixed.evaluate(labels) == pytest.approx(0.3 * c + 0.7 * m, rel=1e-9)
+
+
+def test_search_keeps_the_fastest_and_stops_at_a_fixed_point(toy):
+    """The step-time search (pipeline/stages/solve/objective.py) on the toy: with a
+    solver that keeps returning the additive plan, the damped weights converge to its
+    exposed shares and the search stops at a fixed point within 10 re-solves (each
+    halves the distance, 0.5 ** 10 < 1e-3); with TRW-S, the plan returned is the
+    candidate with the smallest step time, simulated again here, and no candidate is
+    faster than the bound."""
+    from omegaconf import OmegaConf
+
+    from pipeline.config.schema import SolverConfig
+    from pipeline.costmodel.steptime import plan_step_inputs, simulate
+    from pipeline.memory.graph import step_graph
+    from pipeline.solvers.registry import get_solver
+    from pipeline.stages.solve.objective import step_time_search
+
+    costs = build_mrf(toy, HW, lazy=True, fuse_pointwise=True)
+    gs = group_structure(toy)
+    approx = get_solver("approx")
+
+    def config(rounds: int):
+        return OmegaConf.create({"solver": OmegaConf.structured(
+            SolverConfig(step_time_rounds=rounds)), "mesh_names": ["dp", "tp"]})
+
+    options = approx.options(config(1).solver)
+    first = approx.solve(costs.mrf, options)
+    derived = list(step_graph(toy).weight_derived)
+    same = step_time_search(config(20), costs, costs.mrf, first, lambda m: first, derived)
+    assert same.record["stop"] == "fixed point" and 2 <= same.record["solves"] <= 10
+    assert [c["source"] for c in same.record["candidates"]] == ["additive"]
+    assert np.array_equal(same.result.labels, first.labels)
+
+    out = step_time_search(config(3), costs, costs.mrf, first,
+                           lambda m: approx.solve(m, options), derived)
+    cands = out.record["candidates"]
+    assert cands[0]["source"] == "additive" and 1 <= out.record["solves"] <= 3
+    assert cands[0]["additive_us"] == pytest.approx(first.objective, rel=1e-12)
+    best = min(c["step_time_us"] for c in cands)
+    strategy = np.asarray(out.result.labels)[gs.group_of]
+    cm = costs.cost_model()
+    parts = plan_breakdown(cm, strategy)
+    again = simulate(plan_step_inputs(toy, cm, strategy, parts, derived)).step_time_us
+    assert again == best
+    assert out.result.objective == pytest.approx(costs.mrf.evaluate(out.result.labels),
+                                                 rel=1e-12)
+    assert 0 < out.lower_bound_us <= best

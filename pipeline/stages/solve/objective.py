@@ -180,7 +180,7 @@ def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
                 stop = "fixed point"
                 break
             current = again
-            _, inputs, sim = evaluate(cands[again].labels)  # its weights again, damped
+            inputs, sim, _ = evaluate(cands[again].labels)  # its shares again, damped
             continue
         cand, inputs, sim = candidate(f"step-time round {it}", res)
         seen[key] = current = len(cands)
