@@ -206,4 +206,13 @@ def test_plans_table() -> None:
     assert t.loc["p1", "objective_ratio"] == 1.0 and t.loc["r1", "plan"] == "ddp"
     assert pd.isna(t.loc["r2", "planner_run_id"]) and math.isnan(t.loc["r2", "objective_ratio"])
     md = plans_markdown(plans_table(runs), "Plans", "footer")
-    assert "| toy | 2x4 | ddp | 95.0 | 60.0 |" in md
+    assert "| toy | 2x4 | ddp | 1 | 60.0 | n/a | 95.0 |" in md
+    # ranked by step time within a cost model (toy: r1 60, p2 70, p1 80; big: r2 alone).
+    # 10 %: 70 > 60 + 6 and 80 > 70 + 7, no tie; 15 %: 70 > 60 + 9 leads a class that 80
+    # joins (<= 70 + 10.5); 20 %: 70 <= 60 + 12 joins r1's class, 80 > 72 leads its own
+    t = plans_table(runs)
+    assert list(t["run_id"]) == ["r1", "p2", "p1", "r2"]
+    assert list(t["rank"]) == ["1", "2", "3", "1"]
+    assert list(plans_table(runs, 0.1)["rank"]) == ["1", "2", "3", "1"]
+    assert list(plans_table(runs, 0.15)["rank"]) == ["1", "2 (tie)", "2 (tie)", "1"]
+    assert list(plans_table(runs, 0.2)["rank"]) == ["1 (tie)", "1 (tie)", "3", "1"]
