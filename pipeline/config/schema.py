@@ -97,7 +97,7 @@ class SolverConfig:
     threads: int = 1
     max_memory: Any = None
     objective: str = "step_time"
-    step_time_rounds: int = 6
+    step_time_rounds: int = 4
 
 
 @dataclass

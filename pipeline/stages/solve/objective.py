@@ -162,14 +162,14 @@ def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
 
     cand, inputs, sim = candidate("additive", first)
     cands = [cand]
+    shares = [exposed_shares(inputs, sim)]  # per candidate: its plan's exposed shares
     seen = {cand.labels.tobytes(): 0}
     stop, current = "rounds", 0
     weights = np.ones(len(cm.edges))
     surrogate = Surrogate(mrf, cm, groups)
     solves = 0
     for it in range(1, int(cfg.solver.step_time_rounds) + 1):
-        target = exposed_shares(inputs, sim)
-        step = DAMPING * (target - weights)
+        step = DAMPING * (shares[current] - weights)
         weights = weights + step
         res = solve(surrogate.mrf(weights))
         solves += 1
@@ -179,12 +179,12 @@ def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
             if again == current and float(np.abs(step).max(initial=0.0)) <= WEIGHT_TOL:
                 stop = "fixed point"
                 break
-            current = again
-            inputs, sim, _ = evaluate(cands[again].labels)  # its shares again, damped
+            current = again  # its shares again, the weights damped on
             continue
         cand, inputs, sim = candidate(f"step-time round {it}", res)
         seen[key] = current = len(cands)
         cands.append(cand)
+        shares.append(exposed_shares(inputs, sim))
     search_seconds = time.perf_counter() - start
 
     fitting = [k for k, c in enumerate(cands) if c.fits]
