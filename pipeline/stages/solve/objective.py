@@ -22,8 +22,10 @@ Search (deterministic):
    Its plan is simulated and becomes a candidate and the current plan.
 3. **Stop** at a *fixed point*, when the solver returns the plan the weights came from
    and no weight moved by more than :data:`WEIGHT_TOL`, or after
-   ``solver.step_time_rounds`` re-solves (``rounds``); ``step_time_search.stop`` says
-   which. A plan returned before is not simulated again (it becomes the current plan).
+   ``solver.step_time_rounds`` re-solves (``rounds``), or when a re-solve gives no plan
+   (``lp``: a re-weighted relaxation that is fractional; an exact solve stopped without
+   one); ``step_time_search.stop`` says which. A plan returned before is not simulated
+   again (it becomes the current plan).
 4. **Choose** the candidate with the smallest simulated step time (the first of equal
    ones); with a device-memory limit, a candidate whose liveness peak exceeds it is
    not chosen (the additive plan fits). So the plan returned is never slower than the
@@ -55,6 +57,7 @@ objective.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -63,14 +66,18 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.core.errors import PlanError
 from pipeline.costmodel.breakdown import plan_breakdown
 from pipeline.costmodel.exposure import exposed_shares
 from pipeline.costmodel.factors import group_structure
 from pipeline.costmodel.reweight import StreamObjective, Surrogate
 from pipeline.costmodel.steptime import StepInputs, StepTime, plan_step_inputs, simulate
+from pipeline.solvers.errors import FractionalRelaxationError
 from pipeline.solvers.mrf import MRF
 from pipeline.solvers.result import SolverResult, relative_gap
 from pipeline.solvers.step_bound import step_lower_bound
+
+log = logging.getLogger(__name__)
 
 __all__ = ["STEP_TIME_RTOL", "SearchOutcome", "step_time_fields", "step_time_search"]
 
@@ -171,7 +178,14 @@ def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
     for it in range(1, int(cfg.solver.step_time_rounds) + 1):
         step = DAMPING * (shares[current] - weights)
         weights = weights + step
-        res = solve(surrogate.mrf(weights))
+        try:
+            res = solve(surrogate.mrf(weights))
+        except (FractionalRelaxationError, PlanError) as err:
+            # lp: a re-weighted relaxation may be fractional (the additive one was
+            # integral); an exact solve may stop without a plan: the search ends, recorded
+            stop = f"re-solve {it} gave no plan: {str(err).splitlines()[0]}"
+            log.warning("step-time search: %s", stop)
+            break
         solves += 1
         key = np.asarray(res.labels, dtype=np.int64).tobytes()
         if key in seen:
