@@ -138,6 +138,13 @@ def test_recipes_report(toy_results: object, tmp_path: Path) -> None:
         assert row["objective_ratio"] == rec["objective"] / plan["objective"]
         assert row["step_time_ratio"] == rec["step_time_us"] / plan["step_time_us"]
         assert row["recipe_tokens_per_s_per_device"] == rec["tokens_per_s_per_device"]
+        assert row["recipe_step_time_gap"] == rec["step_time_gap"]
+        # the verdict by step time, ties within 2 % (the default uncertainty)
+        a, b = rec["step_time_us"], plan["step_time_us"]
+        assert row["step_time_uncertainty"] == 0.02
+        want = "tie" if abs(a - b) <= 0.02 * min(a, b) else (
+            "planner faster" if b < a else "recipe faster")
+        assert row["verdict"] == want
     assert {r["recipe"] for r in table} == {"ddp", "fsdp", "hsdp", "fsdp_tp"}
 
 

@@ -175,8 +175,10 @@ def recipe_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``model``, ``mesh``, ``mesh_names``, ``hardware``, both run ids and solvers, the
     planner's ``param_memory`` and ``device_memory`` constraints (JSON text: a recipe's
     pinned parameters are outside the parameter budget, the planner's are not),
-    ``objective`` / ``step_time_us`` / ``tokens_per_s_per_device`` of each and
-    ``objective_ratio`` / ``step_time_ratio`` (recipe / planner)."""
+    ``objective`` / ``step_time_us`` / ``tokens_per_s_per_device`` /
+    ``step_time_gap`` of each, ``objective_ratio`` / ``step_time_ratio`` (recipe /
+    planner) and the ``verdict`` by step time with its ``step_time_uncertainty``
+    (:func:`_verdict`)."""
     planners: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         if r.get("recipe") is None:
@@ -201,8 +203,28 @@ def recipe_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "step_time_ratio": _ratio(r.get("step_time_us"), p.get("step_time_us")),
                 "recipe_tokens_per_s_per_device": r.get("tokens_per_s_per_device"),
                 "planner_tokens_per_s_per_device": p.get("tokens_per_s_per_device"),
+                "recipe_step_time_gap": r.get("step_time_gap"),
+                "planner_step_time_gap": p.get("step_time_gap"),
+                **_verdict(r.get("step_time_us"), p.get("step_time_us"), p),
             })
     return rows
+
+
+def _verdict(recipe: Any, planner: Any, planner_record: dict[str, Any]) -> dict[str, Any]:
+    """``verdict`` (``tie``, ``planner faster``, ``recipe faster``; null without both step
+    times) and the ``step_time_uncertainty`` it used: the planner run's
+    ``costs.step_time_uncertainty`` (relative; not measured, pipeline/core/ranking.py).
+    A tie: the two step times within it of the faster one."""
+    costs = ((planner_record.get("config") or {}).get("costs") or {})
+    u = float(costs.get("step_time_uncertainty", 0.0))
+    if recipe is None or planner is None:
+        return {"verdict": None, "step_time_uncertainty": u}
+    fast, slow = sorted((float(recipe), float(planner)))
+    if slow - fast <= u * fast:
+        verdict = "tie"
+    else:
+        verdict = "planner faster" if float(planner) < float(recipe) else "recipe faster"
+    return {"verdict": verdict, "step_time_uncertainty": u}
 
 
 _RECIPE_NUMERIC = ("objective", "step_time", "ratio", "tokens")
@@ -214,7 +236,8 @@ def _recipe_table(rows: list[dict[str, Any]]) -> pa.Table:
              "planner_device_memory", "recipe_objective", "planner_objective",
              "objective_ratio", "recipe_step_time_us", "planner_step_time_us",
              "step_time_ratio", "recipe_tokens_per_s_per_device",
-             "planner_tokens_per_s_per_device"]
+             "planner_tokens_per_s_per_device", "recipe_step_time_gap",
+             "planner_step_time_gap", "verdict", "step_time_uncertainty"]
     cols = {}
     for k in names:
         numeric = any(t in k for t in _RECIPE_NUMERIC)
