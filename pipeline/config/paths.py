@@ -85,7 +85,8 @@ def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
     ``constraints`` leaves out ``device_memory`` (the costs key ``device_memory``),
     ``model`` leaves out ``microbatches`` when it is 1 (the default: runs without
     gradient accumulation keep their directories),
-    ``solver`` leaves out ``max_memory`` (a guard, pipeline/stages/costs/problem_size.py); the
+    ``solver`` leaves out ``max_memory`` (a guard, pipeline/stages/costs/problem_size.py),
+    ``costs`` leaves out ``step_time_uncertainty`` (rankings only); the
     memory model's keys appear only when they differ from :data:`MEMORY_KEY_DEFAULTS`.
     """
     if stage not in STAGE_KEYS:
@@ -103,6 +104,8 @@ def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
             value = {c: v for c, v in value.items() if c != "microbatches"}
         if k == "solver":  # a guard on the problem's size, not a result-shaping key
             value = {c: v for c, v in value.items() if c != "max_memory"}
+        if k == "costs":  # how rankings read step times, not a cost-model option
+            value = {c: v for c, v in value.items() if c != "step_time_uncertainty"}
         if k in MEMORY_KEY_DEFAULTS and value == MEMORY_KEY_DEFAULTS[k]:
             continue
         out[k] = value

@@ -22,6 +22,7 @@ from pipeline.config.schema import (
     DEFAULT_MESH_NAMES,
     MIP_BACKENDS,
     SOLVER_NAMES,
+    SOLVER_OBJECTIVES,
     Config,
     ConfigError,
     allowed_text,
@@ -197,6 +198,9 @@ def _check_solver(s: Any) -> None:
     need(s.backend in MIP_BACKENDS, "backend", "allowed " + ", ".join(MIP_BACKENDS))
     need(_is_num(s.mip_gap) and 0 <= s.mip_gap < 1, "mip_gap", "allowed a number in [0, 1)")
     need(_is_int(s.threads) and s.threads >= 1, "threads", "allowed an integer >= 1")
+    need(s.objective in SOLVER_OBJECTIVES, "objective", "allowed " + ", ".join(SOLVER_OBJECTIVES))
+    need(_is_int(s.step_time_rounds) and s.step_time_rounds >= 0, "step_time_rounds",
+         "allowed an integer >= 0")
     if s.max_memory is not None:
         try:
             parse_bytes(s.max_memory, "solver.max_memory")
@@ -394,6 +398,10 @@ def resolve(cfg: DictConfig) -> DictConfig:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     _check_solver(out.solver)
+    u = out.costs.step_time_uncertainty
+    if not (_is_num(u) and 0 <= u < 1):
+        raise ConfigError(f"costs.step_time_uncertainty={_shown(u)}: allowed a number in "
+                          "[0, 1) (relative)")
     if not (_is_int(out.workers) and out.workers >= 0):
         raise ConfigError(f"workers={_shown(out.workers)}: allowed 0 (one process per "
                           "available CPU) or an integer >= 1 (1: no worker processes)")

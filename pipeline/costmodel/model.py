@@ -360,6 +360,35 @@ class CostModel:
                 self._table_memo[key] = table
         return row_cls, col_cls, table
 
+    def edge_terms(self, e: int, comm: bool = True
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(row_cls, col_cls, comm, transition, fusion)`` of graph edge ``e``: the three
+        terms of :meth:`edge_table` (µs, ``[R, C]`` each) kept apart, for objectives that
+        weigh them differently (pipeline/costmodel/reweight.py). ``comm`` is the
+        redistribution times ``edge_times[e]`` (``+inf`` on a forbidden pair),
+        ``transition`` the transition cost where the placements differ, ``fusion`` the
+        pointwise-fusion term (``<= 0``, zeros when off). ``comm=False``: ``comm`` is zeros
+        (no redistribution is planned). Not memoised."""
+        u, element, v, a = self.edges[e]
+        row_cls, srcs = self.out_classes(u, element)
+        col_cls, dsts = self.in_classes(v, a)
+        meta = self.in_metas[v][a]
+        if comm:
+            reduce_itemsize, latency_scale, flatten = self.edge_collective_policy(e)
+            table = redistribute_table(meta["shape"], itemsize(meta["dtype"]), srcs, dsts,
+                                       self.mesh_shape, self.hw, reduce_itemsize=reduce_itemsize,
+                                       latency_scale=latency_scale, flatten=flatten)
+            times = int(self.edge_times[e])
+            if times != 1:
+                table = table * times
+        else:
+            table = np.zeros((len(srcs), len(dsts)))
+        transition = np.where(placements_differ(srcs, dsts), TRANSITION_COST, 0.0)
+        fusion = np.zeros(table.shape)
+        if self.fusion is not None:
+            fusion = self.fusion.add_term(e, fusion, srcs, dsts)
+        return row_cls, col_cls, table, transition, fusion
+
 
 def _classes(texts: list[str], ndim: int) -> tuple[np.ndarray, list]:
     """(class index per text int32 [len(texts)], the distinct texts parsed, numbered by

@@ -3,7 +3,8 @@ mesh dim, simulated in graph order.
 
 The solvers minimise the additive objective ``E(x) = sum compute + sum comm +
 transitions`` (pipeline/costmodel/model.py). A real step overlaps part of the communication with
-compute; this module estimates by how much, for the chosen plan only, with the same
+compute; this module estimates by how much, for each candidate plan of the step-time
+search (pipeline/stages/solve/objective.py), with the same
 node and edge times the objective used (:func:`pipeline.costmodel.breakdown.plan_breakdown`:
 each node's ``compute_us``, each redistribution's ``comm_us``; the per-mesh-dim steps
 of a redistribution from :func:`pipeline.costmodel.redistribute.redistribute_steps`,
@@ -81,10 +82,12 @@ from pipeline.core.dtypes import itemsize
 
 __all__ = [
     "EDGE_KINDS",
+    "Classes",
     "StepInputs",
     "StepTime",
     "global_tokens",
     "plan_step_inputs",
+    "classify",
     "simulate",
     "step_time_record",
 ]
@@ -160,6 +163,33 @@ class StepTime:
 
 
 # --------------------------------------------------------------------------- classes
+
+
+@dataclass
+class Classes:
+    """What the simulation makes of a plan's nodes and edges (module docstring).
+
+    Attributes:
+        kernel: per node, whether it runs on the compute stream (a kernel of graph order
+            or a released weight / post-reduce kernel).
+        main: per node, a kernel of graph order (the compute stream's order).
+        unit: per node, its FSDP unit (None outside every unit).
+        edge_kind: per edge, ``weight``, ``activation`` or ``gradient``.
+    """
+
+    kernel: list[bool]
+    main: list[bool]
+    unit: list[int | None]
+    edge_kind: list[str]
+
+
+def classify(g: StepInputs) -> Classes:
+    """The node kinds, units and edge kinds of the simulation of ``g``."""
+    kind, ekind, _, unit = _classify(g)
+    names = {_WEIGHT: "weight", _ACTIVATION: "activation", _GRADIENT: "gradient"}
+    return Classes(kernel=[k in (_MAIN, _SIDE) and c > 0 for k, c in zip(kind, g.compute_us)],
+                   main=[k == _MAIN for k in kind], unit=list(unit),
+                   edge_kind=[names[k] for k in ekind])
 
 
 def _classify(g: StepInputs) -> tuple[list[int], list[int], list[int], list[int | None]]:

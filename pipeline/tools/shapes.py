@@ -82,13 +82,14 @@ NOT_APPLICABLE = "not applicable"
 SWEEP_KEYS: tuple[str, ...] = ("world", "max_dims")
 #: Files of a sweep, in write order (the figure last: it is the Snakemake sentinel).
 OUTPUT_FILES: tuple[str, ...] = ("shapes.parquet", "shapes.csv", "shapes.md", "shapes.png")
-#: Columns of the table, in order (``step_time_us``, ``peak_bytes`` and ``fits`` only when
-#: a run record has them: the predicted peak per device and whether it is within the
+#: Columns of the table, in order (``step_time_us``, ``tie`` and ``step_time_gap`` only
+#: when a run record has a step time; ``peak_bytes`` and ``fits`` only when a run record
+#: has them: the predicted peak per device and whether the reserved memory is within the
 #: hardware preset's device memory, pipeline/memory/fit.py).
-COLUMNS: tuple[str, ...] = ("rank", "mesh", "mesh_names", "dims", "objective", "step_time_us",
-                            "compute_us", "comm_us", "transition_us", "peak_bytes", "fits",
-                            "status", "gap", "placement_hash", "run_id", "solve_dir")
-_OPTIONAL = ("step_time_us", "peak_bytes", "fits", "error")
+COLUMNS: tuple[str, ...] = ("rank", "mesh", "mesh_names", "dims", "step_time_us", "tie",
+                            "step_time_gap", "objective", "compute_us", "comm_us",
+                            "transition_us", "peak_bytes", "fits", "status", "gap",
+                            "placement_hash", "run_id", "solve_dir")
 _RUN_STAGES = ("trace", "topology", "costs", "solve")
 
 
@@ -339,20 +340,29 @@ def run_shapes(sweep: ShapeSweep) -> Any:
         ensure_plan_picture(dirs.solve)
     run_stage("report", sweep.configs[0], stage_dirs(sweep.configs[0]))
     table = shape_table([stage_dirs(c).solve for c in sweep.configs
-                         if tuple(int(d) for d in c.mesh) not in failed], failed, inapplicable)
+                         if tuple(int(d) for d in c.mesh) not in failed], failed, inapplicable,
+                        float(sweep.configs[0].costs.step_time_uncertainty))
     write_outputs(table, sweep)
     return table
 
 
 def shape_table(solve_dirs: Sequence[Path],
                 failed: dict[tuple[int, ...], str] | None = None,
-                inapplicable: set[tuple[int, ...]] = frozenset()) -> Any:
-    """One row per run (its ``run.json``), best objective first (ties: fewer dims, then
-    the mesh label), then one row per shape in ``failed`` (status ``failed``, the reason
-    in ``error``; ``not applicable`` for a shape in ``inapplicable``); ``rank`` from 1.
-    ``step_time_us``, ``peak_bytes`` and ``fits`` are columns only when some run record
-    has them, ``error`` only when a shape failed."""
+                inapplicable: set[tuple[int, ...]] = frozenset(),
+                uncertainty: float = 0.0) -> Any:
+    """One row per run (its ``run.json``), fastest simulated step first (ties: fewer
+    dims, then the mesh label; runs without a step time after them, best objective
+    first), then one row per shape in ``failed`` (status ``failed``, the reason in
+    ``error``; ``not applicable`` for a shape in ``inapplicable``). ``rank`` from 1:
+    runs whose step times are within ``uncertainty`` (relative, ``costs.step_time_uncertainty``)
+    of the fastest of their class share its rank and are marked ``tie``
+    (pipeline/core/ranking.py); the others are ranked by position. ``step_time_us``,
+    ``step_time_gap`` and ``tie`` are columns only when some run record has a step time,
+    ``peak_bytes`` and ``fits`` only when some run record has them, ``error`` only when a
+    shape failed."""
     import pandas as pd
+
+    from pipeline.core.ranking import tie_ranks
 
     rows = []
     for d in solve_dirs:
@@ -362,6 +372,7 @@ def shape_table(solve_dirs: Sequence[Path],
             "mesh": rec["mesh"], "mesh_names": ",".join(rec["mesh_names"]),
             "dims": len(mesh), "objective": float(rec["objective"]),
             "step_time_us": _float_or_none(rec.get("step_time_us")),
+            "step_time_gap": _float_or_none(rec.get("step_time_gap")), "tie": None,
             "compute_us": _float_or_none(rec.get("compute_us")),
             "comm_us": _float_or_none(rec.get("comm_us")),
             "transition_us": _float_or_none(rec.get("transition_us")),
@@ -370,20 +381,29 @@ def shape_table(solve_dirs: Sequence[Path],
             "status": rec.get("status"), "gap": _float_or_none(rec.get("gap")),
             "placement_hash": rec.get("placement_hash"), "run_id": rec.get("run_id"),
             "solve_dir": str(d), "error": None})
-    rows.sort(key=lambda r: (r["objective"], r["dims"], r["mesh"]))
+    rows.sort(key=lambda r: (0, r["step_time_us"], r["dims"], r["mesh"])
+              if r["step_time_us"] is not None else (1, r["objective"], r["dims"], r["mesh"]))
     for shape, reason in sorted((failed or {}).items(), key=lambda kv: (len(kv[0]), kv[0])):
         names = ",".join(SHAPE_MESH_NAMES[len(shape)])
         rows.append({"mesh": mesh_label(shape), "mesh_names": names,
                      "dims": len(shape), "objective": math.nan, "step_time_us": None,
+                     "step_time_gap": None, "tie": None,
                      "compute_us": None, "comm_us": None, "transition_us": None,
                      "peak_bytes": None, "fits": None,
                      "status": NOT_APPLICABLE if shape in inapplicable else "failed",
                      "gap": None, "placement_hash": None, "run_id": None,
                      "solve_dir": None, "error": reason})
-    for i, r in enumerate(rows, 1):
+    timed = [r for r in rows if r["step_time_us"] is not None]
+    for r, (rank, tie) in zip(timed, tie_ranks([r["step_time_us"] for r in timed],
+                                                uncertainty)):
+        r["rank"], r["tie"] = rank, tie
+    for i, r in enumerate(rows[len(timed):], len(timed) + 1):
         r["rank"] = i
+    optional = {"step_time_us": "step_time_us", "step_time_gap": "step_time_us",
+                "tie": "step_time_us", "peak_bytes": "peak_bytes", "fits": "fits",
+                "error": "error"}
     cols = [c for c in (*COLUMNS, "error")
-            if c not in _OPTIONAL or any(r[c] is not None for r in rows)]
+            if c not in optional or any(r[optional[c]] is not None for r in rows)]
     return pd.DataFrame(rows, columns=cols)
 
 
@@ -405,8 +425,10 @@ def markdown_table(table: Any) -> str:
                              else f"{v:,.3f}")
             elif c == "peak_bytes":
                 cells.append("" if v is None or math.isnan(v) else f"{v / 2**30:,.2f} GiB")
-            elif c == "gap":
+            elif c in ("gap", "step_time_gap"):
                 cells.append("" if v is None or math.isnan(v) else f"{v:.4f}")
+            elif c == "tie":
+                cells.append("tie" if v is True else "")
             elif v is None:
                 cells.append("")
             else:
@@ -430,7 +452,9 @@ def write_outputs(table: Any, sweep: ShapeSweep) -> list[Path]:
     with runtime.atomic_path(out / "shapes.csv") as tmp:
         table.to_csv(tmp, index=False)
     title = (f"# Mesh shapes of {sweep.world} devices ({sweep.configs[0].model.name}, "
-             f"1 to {sweep.max_dims} dims, best first)\n\n")
+             f"1 to {sweep.max_dims} dims, fastest simulated step first; `tie`: within "
+             f"{sweep.configs[0].costs.step_time_uncertainty:.0%} of the fastest of its "
+             "rank, costs.step_time_uncertainty, not measured)\n\n")
     with runtime.atomic_path(out / "shapes.md") as tmp:
         Path(tmp).write_text(title + markdown_table(table))
     plot_shapes(table, out / "shapes.png",

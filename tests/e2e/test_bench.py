@@ -28,7 +28,8 @@ EXPECTED_COLUMNS = {
     "model", "n_layers", "mesh", "solver", "backend", "cost_mode", "nodes", "groups",
     "group_strategies", "factors_materialised", "trace", "topology", "cost_build",
     "factor_build", "solve", "search_total", "wall", "cpu", "peak_rss_mib", "objective",
-    "lower_bound", "gap", "status", "placement_hash", "time_limit_s", "case", "error",
+    "lower_bound", "gap", "status", "additive_status", "step_time_us",
+    "step_time_lower_bound_us", "step_time_gap", "placement_hash", "time_limit_s", "case", "error",
     "exit_code", "reused", "code", "revision",
 }
 
@@ -87,10 +88,16 @@ def test_smoke_suite_fresh(jobs, tmp_path_factory):
         assert approx["lazy"]["placement_hash"] == approx["eager"]["placement_hash"]
         assert approx["lazy"]["factor_build"] > 0
         (ilp,) = [r for r in rows if r["mesh"] == mesh and r["solver"] == "ilp"]
-        assert ilp["status"] == "Optimal" and ilp["backend"] == "highs"
-        assert ilp["objective"] <= approx["lazy"]["objective"] * (1 + 1e-9)
-        if approx["lazy"]["status"] == "Optimal":
-            assert math.isclose(ilp["objective"], approx["lazy"]["objective"], rel_tol=1e-6)
+        assert ilp["additive_status"] == "Optimal" and ilp["backend"] == "highs"
+        # the additive certificate: the ILP's bound is the additive optimum; no plan
+        # steps faster than either run's step-time bound
+        assert ilp["lower_bound"] <= approx["lazy"]["objective"] * (1 + 1e-9)
+        for r in (ilp, approx["lazy"], approx["eager"]):
+            assert r["step_time_lower_bound_us"] <= min(
+                ilp["step_time_us"], approx["lazy"]["step_time_us"]) * (1 + 1e-9)
+        if approx["lazy"]["additive_status"] == "Optimal":
+            assert math.isclose(ilp["lower_bound"], approx["lazy"]["lower_bound"],
+                                rel_tol=1e-6)
 
     md = (out / "smoke.md").read_text()
     assert md.startswith("# Benchmark `smoke`")

@@ -151,8 +151,14 @@ def test_toy_sweep_end_to_end(jobs, toy_results, tmp_path_factory) -> None:
     (out,) = list((results / "shapes").glob("toy-*/w8-d3"))
     table = pd.read_parquet(out / "shapes.parquet")
     assert sorted(table["mesh"]) == sorted(["8", "2x4", "4x2", "2x2x2"])
-    assert list(table["rank"]) == [1, 2, 3, 4]
-    assert list(table["objective"]) == sorted(table["objective"])
+    # by simulated step time; a rank is shared only by a tie within 2 % (the default
+    # costs.step_time_uncertainty) of the class's first step time
+    steps, ranks = list(table["step_time_us"]), list(table["rank"])
+    assert steps == sorted(steps) and ranks[0] == 1
+    for i in range(1, 4):
+        if ranks[i] != i + 1:
+            assert ranks[i] == ranks[i - 1] and table["tie"][i] and table["tie"][i - 1]
+            assert steps[i] - steps[ranks[i] - 1] <= 0.02 * steps[ranks[i] - 1]
     assert dict(zip(table["mesh"], table["mesh_names"], strict=True)) == {
         "8": "dp", "2x4": "dp,tp", "4x2": "dp,tp", "2x2x2": "dp,cp,tp"}
     csv = pd.read_csv(out / "shapes.csv")
@@ -225,9 +231,20 @@ def test_table_puts_planned_shapes_first_and_failed_ones_last(tmp_path: Path) ->
     rec = json.loads((dirs[0] / "run.json").read_text())
     (dirs[0] / "run.json").write_text(json.dumps({**rec, "step_time_us": 25.0}))
     table = shapes.shape_table(dirs)
-    assert list(table["mesh"]) == ["8", "2x4"]
-    assert table["step_time_us"].isna().tolist() == [True, False]
-    assert table["step_time_us"][1] == 25.0
+    # ordered by step time: the run without one after it, whatever the objectives
+    assert list(table["mesh"]) == ["2x4", "8"]
+    assert table["step_time_us"].isna().tolist() == [False, True]
+    assert table["step_time_us"][0] == 25.0 and list(table["rank"]) == [1, 2]
+    # both with step times: 25.4 is within 2 % of 25 (a tie, one rank) but not within 1 %
+    rec = json.loads((dirs[1] / "run.json").read_text())
+    (dirs[1] / "run.json").write_text(json.dumps({**rec, "step_time_us": 25.4,
+                                                  "step_time_gap": 0.5}))
+    table = shapes.shape_table(dirs, uncertainty=0.02)
+    assert list(table["mesh"]) == ["2x4", "8"] and list(table["rank"]) == [1, 1]
+    assert list(table["tie"]) == [True, True] and table["step_time_gap"][1] == 0.5
+    assert "| 1 | 8 | dp | 1 | 25.400 | tie | 0.5000 |" in shapes.markdown_table(table)
+    table = shapes.shape_table(dirs, uncertainty=0.01)
+    assert list(table["rank"]) == [1, 2] and list(table["tie"]) == [False, False]
 
 
 def test_a_shape_whose_inputs_cannot_be_sharded_does_not_stop_the_sweep(tmp_path: Path) -> None:

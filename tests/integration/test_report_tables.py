@@ -77,7 +77,9 @@ def test_report_runs_parquet(report: dict[str, Any]) -> None:
         assert row["model"] == "toy" and row["mesh"] == run.mesh
         assert row["cost_mode"] == run.mode
         assert row["status"] in ("Optimal", "Heuristic")
-        assert row["status"] == "Optimal" or row["gap"] > 0
+        # Optimal only where the step-time bound closes the gap
+        assert (row["status"] == "Optimal") == (row["step_time_gap"] <= 1e-9)
+        assert row["additive_status"] == "Optimal" or row["gap"] > 0
         rev = row["git.revision"]
         assert (isinstance(rev, str) and len(rev) == 40) or row.get("revision_label"), rev
         for k in ("trace", "topology", "cost_build", "factor_build", "solve", "wall"):

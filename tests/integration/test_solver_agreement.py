@@ -46,18 +46,23 @@ def test_backends_agree_and_bounds_are_ordered(results: ToyResults, mesh: str) -
     approx, _ = _run(results, f"mesh={mesh}", "solver=approx", "optimality_check=true")
     highs, _ = _run(results, f"mesh={mesh}", "solver=ilp", "solver.backend=highs")
     cbc, _ = _run(results, f"mesh={mesh}", "solver=ilp", "solver.backend=cbc")
+    # the additive solves (candidate 0 of the step-time search; their certificate)
     for rec in (highs, cbc):
-        assert rec["status"] == "Optimal" and rec["certified"], rec["status"]
+        assert rec["additive_status"] == "Optimal" and rec["certified"], rec["status"]
         assert rec["presolve"]["labels_after"] <= rec["presolve"]["labels_before"]
-    assert highs["objective"] == pytest.approx(cbc["objective"], rel=REL)
-    opt = highs["objective"]
+    assert highs["additive_plan_us"] == pytest.approx(cbc["additive_plan_us"], rel=REL)
+    opt = highs["additive_plan_us"]
     trws_bound = approx["presolve"]["trws_bound"]
     lp_bound = approx["lp_bound"]
     assert trws_bound <= lp_bound * (1 + REL) + 1e-9
     assert lp_bound <= opt * (1 + REL) + 1e-9
-    assert opt <= approx["objective"] * (1 + REL)
-    if approx["status"] == "Optimal":
-        assert approx["objective"] == pytest.approx(opt, rel=1e-7)
+    assert opt <= approx["additive_plan_us"] * (1 + REL)
+    if approx["additive_status"] == "Optimal":
+        assert approx["additive_plan_us"] == pytest.approx(opt, rel=1e-7)
+    # the step time: no run's plan is faster than any run's certified bound
+    for rec in (approx, highs, cbc):
+        assert rec["step_time_lower_bound_us"] <= min(
+            r["step_time_us"] for r in (approx, highs, cbc)) * (1 + REL)
 
 
 @pytest.mark.toy_runs(*PRUNING)
@@ -65,8 +70,8 @@ def test_backends_agree_and_bounds_are_ordered(results: ToyResults, mesh: str) -
 def test_pruning_keeps_the_optimum(results: ToyResults, mesh: str) -> None:
     pruned, _ = _run(results, f"mesh={mesh}", "solver=ilp")
     full, _ = _run(results, f"mesh={mesh}", "solver=ilp", "solver.prune=false")
-    assert "presolve" not in full and full["status"] == "Optimal"
-    assert pruned["objective"] == pytest.approx(full["objective"], rel=REL)
+    assert "presolve" not in full and full["additive_status"] == "Optimal"
+    assert pruned["additive_plan_us"] == pytest.approx(full["additive_plan_us"], rel=REL)
     assert pruned["solver_extra"]["variables"] < full["solver_extra"]["variables"]
 
 

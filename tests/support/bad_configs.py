@@ -29,6 +29,15 @@ BAD_CASES = [
      "model.dim=-8: must be a positive integer"),
     ("iters-zero", ["solver.max_iters=0"], ["overrides=solver.max_iters=0"],
      "solver.max_iters=0: allowed an integer >= 1"),
+    ("objective-sideways", ["solver.objective=sideways"],
+     ["overrides=solver.objective=sideways"],
+     "solver.objective=sideways: allowed step_time, additive"),
+    ("rounds-negative", ["solver.step_time_rounds=-1"],
+     ["overrides=solver.step_time_rounds=-1"],
+     "solver.step_time_rounds=-1: allowed an integer >= 0"),
+    ("uncertainty-one", ["costs.step_time_uncertainty=1.5"],
+     ["overrides=costs.step_time_uncertainty=1.5"],
+     "costs.step_time_uncertainty=1.5: allowed a number in [0, 1) (relative)"),
     ("unknown-key", ["foo=1"], ["overrides=foo=1"],
      "foo=1: unknown key; allowed keys at the top level: model, hardware, solver, "
      "optimizer, constraints, memory, fsdp, costs, pipeline, mesh, mesh_names, lazy_costs, "
@@ -45,7 +54,7 @@ BAD_CASES = [
      "peak a device reserves beyond it)"),
     ("costs-unknown", ["costs.fuse=1"], ["overrides=costs.fuse=1"],
      "costs.fuse=1: unknown key; allowed keys at costs: compile, fuse_pointwise, "
-     "flatten_mesh"),
+     "flatten_mesh, step_time_uncertainty"),
     ("compile-maybe", ["costs.compile=maybe"], ["overrides=costs.compile=maybe"],
      "costs.compile=maybe: allowed true, false"),
     ("bool-2", ["repeated_layers=2"], ["repeated_layers=2"],

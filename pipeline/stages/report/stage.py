@@ -22,10 +22,10 @@ pipeline/core/artifacts.py (a run record's own version is its ``schema_version``
 records written before versioning have none).
 
 A run is reported only when its record can be trusted (:func:`record_problem`): a
-``run.json`` that is not a JSON object, whose objective lies below its own lower bound,
-or whose ``placement_hash`` does not match the placements in its ``solution.parquet``
-(or whose tables cannot be read) is skipped with a one-line warning naming the file;
-the other runs are reported as usual.
+``run.json`` that is not a JSON object, whose objective lies below its own lower bound
+(or step time below its own step-time bound), or whose ``placement_hash`` does not
+match the placements in its ``solution.parquet`` (or whose tables cannot be read) is
+skipped with a one-line warning naming the file; the other runs are reported as usual.
 """
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ def _read_record(path: Path) -> dict[str, Any]:
 def record_problem(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     """``(record, None)`` for a trustworthy run record, ``(None, why)`` otherwise: the
     file does not parse as a JSON object, its objective is below its own lower bound
-    (by more than :data:`BOUND_RTOL`), or its ``placement_hash`` differs from the hash
+    or its step time below its own step-time bound (by more than :data:`BOUND_RTOL`),
+    or its ``placement_hash`` differs from the hash
     of the placements in the run's ``solution.parquet`` (or that table is unreadable)."""
     from pipeline.stages.solve.stage import placement_hash
 
@@ -105,6 +106,11 @@ def record_problem(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     if isinstance(obj, (int, float)) and isinstance(bound, (int, float)) \
             and obj < bound - BOUND_RTOL * max(1.0, abs(obj)):
         return None, f"objective={obj} is below its own lower_bound={bound}"
+    step, step_bound = rec.get("step_time_us"), rec.get("step_time_lower_bound_us")
+    if isinstance(step, (int, float)) and isinstance(step_bound, (int, float)) \
+            and step < step_bound - BOUND_RTOL * max(1.0, abs(step)):
+        return None, (f"step_time_us={step} is below its own "
+                      f"step_time_lower_bound_us={step_bound}")
     solution = path.parent / SOLUTION.name
     try:
         table = runtime.read_parquet(solution, columns=["node", "name", "output_placement",
@@ -169,10 +175,12 @@ def recipe_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``model``, ``mesh``, ``mesh_names``, ``hardware``, both run ids and solvers, the
     planner's ``param_memory`` and ``device_memory`` constraints (JSON text: a recipe's
     pinned parameters are outside the parameter budget, the planner's are not),
-    ``objective`` / ``step_time_us`` / ``tokens_per_s_per_device`` of each and
-    ``objective_ratio`` / ``step_time_ratio`` (recipe / planner), and each run's predicted
-    peak bytes per device and whether it fits the device (``recipe_peak_bytes``,
-    ``planner_peak_bytes``, ``recipe_fits``, ``planner_fits``: pipeline/memory/fit.py)."""
+    ``objective`` / ``step_time_us`` / ``tokens_per_s_per_device`` /
+    ``step_time_gap`` of each, ``objective_ratio`` / ``step_time_ratio`` (recipe /
+    planner), the ``verdict`` by step time with its ``step_time_uncertainty``
+    (:func:`_verdict`), and each run's predicted peak bytes per device and whether it
+    fits the device (``recipe_peak_bytes``, ``planner_peak_bytes``, ``recipe_fits``,
+    ``planner_fits``: pipeline/memory/fit.py)."""
     planners: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         if r.get("recipe") is None:
@@ -199,6 +207,9 @@ def recipe_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "planner_tokens_per_s_per_device": p.get("tokens_per_s_per_device"),
                 "recipe_peak_bytes": _peak(r), "planner_peak_bytes": _peak(p),
                 "recipe_fits": r.get("fits"), "planner_fits": p.get("fits"),
+                "recipe_step_time_gap": r.get("step_time_gap"),
+                "planner_step_time_gap": p.get("step_time_gap"),
+                **_verdict(r.get("step_time_us"), p.get("step_time_us"), p),
             })
     return rows
 
@@ -213,6 +224,23 @@ _RECIPE_NUMERIC = ("objective", "step_time", "ratio", "tokens", "peak_bytes")
 _RECIPE_BOOL = ("recipe_fits", "planner_fits")
 
 
+def _verdict(recipe: Any, planner: Any, planner_record: dict[str, Any]) -> dict[str, Any]:
+    """``verdict`` (``tie``, ``planner faster``, ``recipe faster``; null without both step
+    times) and the ``step_time_uncertainty`` it used: the planner run's
+    ``costs.step_time_uncertainty`` (relative; not measured, pipeline/core/ranking.py).
+    A tie: the two step times within it of the faster one."""
+    costs = ((planner_record.get("config") or {}).get("costs") or {})
+    u = float(costs.get("step_time_uncertainty", 0.0))
+    if recipe is None or planner is None:
+        return {"verdict": None, "step_time_uncertainty": u}
+    fast, slow = sorted((float(recipe), float(planner)))
+    if slow - fast <= u * fast:
+        verdict = "tie"
+    else:
+        verdict = "planner faster" if float(planner) < float(recipe) else "recipe faster"
+    return {"verdict": verdict, "step_time_uncertainty": u}
+
+
 def _recipe_table(rows: list[dict[str, Any]]) -> pa.Table:
     names = ["recipe", "model", "mesh", "mesh_names", "hardware", "recipe_run_id",
              "planner_run_id", "recipe_solver", "planner_solver", "planner_param_memory",
@@ -220,7 +248,8 @@ def _recipe_table(rows: list[dict[str, Any]]) -> pa.Table:
              "objective_ratio", "recipe_step_time_us", "planner_step_time_us",
              "step_time_ratio", "recipe_tokens_per_s_per_device",
              "planner_tokens_per_s_per_device", "recipe_peak_bytes", "planner_peak_bytes",
-             "recipe_fits", "planner_fits"]
+             "recipe_fits", "planner_fits", "recipe_step_time_gap",
+             "planner_step_time_gap", "verdict", "step_time_uncertainty"]
     cols = {}
     for k in names:
         numeric = any(t in k for t in _RECIPE_NUMERIC)

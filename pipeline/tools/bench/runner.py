@@ -278,6 +278,9 @@ def run_case(case: Case, index: int, results_dir: Path, log_dir: Path,
         factors_materialised=fm.get("total") if isinstance(fm, dict) else fm,
         objective=record.get("objective"), lower_bound=record.get("lower_bound"),
         gap=record.get("gap"), status=record.get("status"),
+        additive_status=record.get("additive_status"), step_time_us=record.get("step_time_us"),
+        step_time_lower_bound_us=record.get("step_time_lower_bound_us"),
+        step_time_gap=record.get("step_time_gap"),
         placement_hash=record.get("placement_hash"),
         **{k: phases.get(k) for k in PHASE_COLUMNS})
     return row

@@ -48,6 +48,10 @@ COLUMNS: tuple[tuple[str, str, str | None], ...] = (
     ("lower_bound", "float64", "lower bound µs"),
     ("gap", "float64", "gap"),
     ("status", "string", "status"),
+    ("additive_status", "string", "additive status"),
+    ("step_time_us", "float64", "step µs"),
+    ("step_time_lower_bound_us", "float64", "step bound µs"),
+    ("step_time_gap", "float64", "step gap"),
     ("placement_hash", "string", "placement hash"),
     ("time_limit_s", "float64", "time limit s"),
     ("reused", "string", "reused"),
@@ -67,7 +71,9 @@ UNITS = {
     "wall": "s (process, measured by the runner)",
     "cpu": "s (user + system of the process tree)",
     "peak_rss_mib": "MiB (ru_maxrss of the process tree via os.wait4)",
-    "objective": "µs", "lower_bound": "µs", "time_limit_s": "s",
+    "objective": "µs (additive)", "lower_bound": "µs (additive)", "time_limit_s": "s",
+    "step_time_us": "µs (simulated, pipeline/costmodel/steptime.py)",
+    "step_time_lower_bound_us": "µs (over every plan, pipeline/solvers/step_bound.py)",
     "load_1m": "1-minute load average when the case started",
     "code": "hash of the stage sources when the case started (see code_hash)",
     "revision": "git revision of the run record (+dirty: uncommitted changes)",
@@ -93,9 +99,9 @@ def _fmt_cell(name: str, value: Any) -> str:
         return "-"
     if name == "placement_hash":
         return str(value)[:12]
-    if name == "gap":
+    if name in ("gap", "step_time_gap"):
         return f"{value:.2e}" if value else "0"
-    if name in ("objective", "lower_bound"):
+    if name in ("objective", "lower_bound", "step_time_us", "step_time_lower_bound_us"):
         return f"{value:.3f}"
     if name == "peak_rss_mib":
         return f"{value:.0f}"

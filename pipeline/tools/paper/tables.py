@@ -189,8 +189,10 @@ def table_markdown(table: Any, title: str, footer: str) -> str:
 
 #: Columns of the plans table: (column, Markdown header, unit).
 PLAN_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("objective", "Objective (additive)", "µs"),
+    ("rank", "Rank by step time", "text"),
     ("step_time_us", "Step time (overlapped)", "µs"),
+    ("step_time_gap", "Step-time gap", ""),
+    ("objective", "Objective (additive)", "µs"),
     ("exposed_comm_us", "Exposed comm", "µs"),
     ("tokens_per_s_per_device", "Tokens/s/device", ""),
     ("objective_ratio", "Objective / planner", ""),
@@ -207,16 +209,23 @@ def _plan_name(row: Any) -> str:
     return "planner" if recipe is None else str(recipe)
 
 
-def plans_table(runs: Any) -> Any:
-    """Every run's plan: the additive objective beside the overlap-aware step time
-    (pipeline/costmodel/steptime.py: ``step_time_us``, ``exposed_comm_us``,
-    ``tokens_per_s_per_device``), and for a recipe run (config ``recipe``) the ratios
-    to the planner's run of the same cost model (:data:`COST_MODEL_KEYS`; the one with
-    the same ``constraints`` when there is one, else the first). Rows: in the order of
-    ``runs``; columns ``run_id``, ``model``, ``mesh``, ``hardware``, ``solver``,
-    ``plan`` (``planner`` or the recipe), :data:`PLAN_COLUMNS` and
-    ``planner_run_id``; NaN where a run has no step time (a record from before it)."""
+def plans_table(runs: Any, uncertainty: float = 0.0) -> Any:
+    """Every run's plan: the overlap-aware step time (pipeline/costmodel/steptime.py:
+    ``step_time_us``, its certified ``step_time_gap``, ``exposed_comm_us``,
+    ``tokens_per_s_per_device``) beside the additive objective, and for a recipe run
+    (config ``recipe``) the ratios to the planner's run of the same cost model
+    (:data:`COST_MODEL_KEYS`; the one with the same ``constraints`` when there is one,
+    else the first). Rows: the runs of one cost model together (in order of first
+    appearance in ``runs``), fastest step first; ``rank`` within them by step time, a
+    rank shared by the plans within ``uncertainty`` (``costs.step_time_uncertainty``,
+    relative) of the fastest of their class and marked ``(tie)``
+    (pipeline/core/ranking.py); ``n/a`` without a step time. Columns ``run_id``,
+    ``model``, ``mesh``, ``hardware``, ``solver``, ``plan`` (``planner`` or the
+    recipe), :data:`PLAN_COLUMNS` and ``planner_run_id``; NaN where a run has no step
+    time (a record from before it)."""
     import pandas as pd
+
+    from pipeline.core.ranking import tie_ranks
 
     keyed = []
     for _, row in runs.iterrows():
@@ -236,11 +245,12 @@ def plans_table(runs: Any) -> Any:
             ref = same[0] if same else planners[key][0][0]
         elif name == "planner":
             ref = row
-        entry = {"run_id": str(row.get("run_id")), "model": row.get("model"),
+        entry = {"key": key, "run_id": str(row.get("run_id")), "model": row.get("model"),
                  "mesh": row.get("mesh"), "hardware": row.get("hardware"),
                  "solver": row.get("solver"), "plan": name,
                  "objective": row_float(row, "objective"),
                  "step_time_us": row_float(row, "step_time_us"),
+                 "step_time_gap": row_float(row, "step_time_gap"),
                  "exposed_comm_us": row_float(row, "exposed_comm_us"),
                  "tokens_per_s_per_device": row_float(row, "tokens_per_s_per_device"),
                  "planner_run_id": None if ref is None else str(ref.get("run_id"))}
@@ -248,12 +258,25 @@ def plans_table(runs: Any) -> Any:
             denom = float("nan") if ref is None else row_float(ref, base)
             entry[col] = entry[base] / denom if denom and math.isfinite(denom) else float("nan")
         out.append(entry)
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for entry in out:
+        groups.setdefault(entry.pop("key"), []).append(entry)
+    out = []
+    for entries in groups.values():
+        entries.sort(key=lambda e: (math.isnan(e["step_time_us"]),
+                                    0.0 if math.isnan(e["step_time_us"]) else e["step_time_us"]))
+        for e, (rank, tie) in zip(entries, tie_ranks([e["step_time_us"] for e in entries],
+                                                     uncertainty)):
+            e["rank"] = "n/a" if rank is None else f"{rank}{' (tie)' if tie else ''}"
+        out.extend(entries)
     cols = ["run_id", "model", "mesh", "hardware", "solver", "plan",
             *[c for c, _, _ in PLAN_COLUMNS], "planner_run_id"]
     return pd.DataFrame(out, columns=cols)
 
 
 def _cell(value: Any, unit: str) -> str:
+    if unit == "text":
+        return str(value)
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "n/a"
     if unit == "µs":
@@ -274,7 +297,8 @@ def _per_plan_markdown(table: Any, columns: Sequence[tuple[str, str, str]], cell
     """GitHub Markdown of a table with one line per plan: model, mesh, plan, then
     ``columns`` ((column, header, unit) each, a cell written by ``cell(value, unit)``),
     the title above and the footer below."""
-    head = ["Model", "Mesh", "Plan"] + [f"{h} ({u})" if u else h for _, h, u in columns]
+    head = ["Model", "Mesh", "Plan"] + [f"{h} ({u})" if u and u != "text" else h
+                                        for _, h, u in columns]
     lines = [f"**{title}**", "", "| " + " | ".join(head) + " |",
              "| --- | --- | --- |" + " ---: |" * len(columns)]
     for r in table.to_dict("records"):

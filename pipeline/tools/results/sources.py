@@ -47,7 +47,8 @@ BENCH_COLUMNS: tuple[Column, ...] = (
 #: Columns of a mesh-shape page (``error`` is added when a shape was not planned).
 SHAPES_COLUMNS: tuple[Column, ...] = (
     Column("rank", "rank", "int"), Column("mesh", "mesh"), Column("mesh_names", "dim names"),
-    Column("objective", "objective µs", "us"), Column("step_time_us", "step time µs", "us"),
+    Column("step_time_us", "step time µs", "us"), Column("tie", "tie"),
+    Column("step_time_gap", "step-time gap", "gap"), Column("objective", "objective µs", "us"),
     Column("compute_us", "compute µs", "us"), Column("comm_us", "comm µs", "us"),
     Column("transition_us", "transition µs", "us"), Column("status", "status"),
     Column("gap", "gap", "gap"), Column("run_id", "run id"),
@@ -178,8 +179,9 @@ def shapes_page(path: Path, name: str | None, page_command: str,
                                 if any(r.get("error") for r in rows) else ())
     listing = [f"{r['mesh']}: run `{r['run_id']}`" if r.get("run_id")
                else f"{r['mesh']}: not planned" for r in rows]
-    notes = (f"model `{model}`, world size {world}, 1 to {max_dims} mesh dims, best "
-             "objective first",)
+    notes = (f"model `{model}`, world size {world}, 1 to {max_dims} mesh dims, fastest "
+             "simulated step first (`tie`: within costs.step_time_uncertainty of the fastest "
+             "of its rank; not measured)",)
     return Page(name=name or f"shapes-{model}-w{world}-d{max_dims}",
                 title=title or f"Mesh shapes of {world} devices ({model})",
                 page_command=page_command,
