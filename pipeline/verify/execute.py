@@ -103,6 +103,18 @@ def worker(rank: int, job: dict[str, Any]) -> None:
     out.write_text(json.dumps(result, sort_keys=True))
 
 
+def _applied(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """The applied path (:mod:`pipeline.verify.applied`); a failure is recorded, one
+    line with its type, as the result of that check."""
+    from pipeline.verify.applied import applied_rank
+
+    try:
+        return applied_rank(rank, job, mesh)
+    except Exception as err:  # noqa: BLE001 - recorded in verify.json as the check's result
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return {"error": f"{type(err).__name__}: {first}"}
+
+
 def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -148,5 +160,8 @@ def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
                 full, placement = grads[fqn]
                 result["grads"][fqn] = {"shape": list(ref.shape), "placement": placement,
                                         **difference(full, ref)}
+        start = time.perf_counter()
+        result["applied"] = _applied(rank, job, mesh)
+        timings["applied_step"] = time.perf_counter() - start
     result["seconds"] = timings
     return result

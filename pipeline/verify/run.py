@@ -254,6 +254,10 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
         spawned = time.perf_counter() - start
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
     record = _record(cfg, plan, ranks, planned, planned_source, seed, Path(dirs.solve))
+    if not record.get("error"):
+        record["applied"] = applied_record(plan, nodes, ranks, path.parent)
+        record["checks"]["applied"] = record["applied"]["ok"]
+        record["ok"] = bool(record["ok"] and record["applied"]["ok"])
     from pipeline.apply import torch_styles
 
     styles = torch_styles(plan, nodes)
@@ -270,6 +274,57 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     runtime.write_json(target, record)
     record["path"] = str(target)
     return record
+
+
+def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir: Path
+                   ) -> dict[str, Any]:
+    """The applied path's part of ``verify.json`` (:mod:`pipeline.verify.applied`): ``ok``
+    when the loss and every gradient match within :data:`RTOL` and every parameter has
+    its planned local shape on every rank and the parameter collectives counted equal
+    the plan's as FSDP2 buckets them; the activation collectives of the plan and of the
+    applied step are listed side by side (the module's own step need not issue the
+    traced graph's activation redistributions one for one)."""
+    from pipeline.verify.applied import applied_planned
+
+    parts = [r.get("applied", {"error": "no applied result"}) for r in ranks]
+    errors = [a["error"] for a in parts if "error" in a]
+    if errors:
+        return {"ok": False, "error": errors[0]}
+    r0 = parts[0]
+    grads = r0["grads"]
+    rels = [r0["loss"]["rel_diff"]] + [g.get("rel_diff", math.inf) for g in grads.values()]
+    numbers_ok = all(x <= RTOL for x in rels) and not any(g.get("missing")
+                                                           for g in grads.values())
+    shapes_ok = all(v["local_shape"] == v["planned_local_shape"]
+                    for a in parts for v in a["placements"].values())
+    units = {f: v["unit"] for f, v in r0["report"]["parameters"].items()}
+    rows: list[dict[str, Any]] = []
+    table_path = solve_dir / "redistributions.parquet"
+    if table_path.exists():
+        rows = runtime.read_parquet(table_path).to_pylist()
+    planned_params, planned_acts = applied_planned(rows, nodes, plan, units)
+    counted = r0["collectives"]
+    managed = set(planned_params)
+    counted_params = {k: v for k, v in counted.items() if k in managed}
+    counted_acts = {k: v for k, v in counted.items() if k not in managed}
+    coll_ok = counted_params == planned_params and all(
+        a["collectives"] == counted for a in parts)
+    return {
+        "ok": bool(numbers_ok and shapes_ok and coll_ok),
+        "checks": {"loss_and_grads": bool(numbers_ok), "local_shapes": bool(shapes_ok),
+                   "parameter_collectives": bool(coll_ok),
+                   "same_shards": all(v["same_shard"] for a in parts
+                                      for v in a["placements"].values())},
+        "loss": r0["loss"], "grads": grads,
+        "max_grad_rel_diff": max(rels[1:], default=0.0),
+        "placements": r0["placements"],
+        "collectives": {"counted": counted, "planned_parameters": planned_params,
+                        "counted_parameters": counted_params,
+                        "planned_activations": planned_acts,
+                        "counted_activations": counted_acts},
+        "parameter_bytes_per_rank": [a["parameter_bytes"] for a in parts],
+        "predicted_parameter_bytes_per_rank": [a["predicted_parameter_bytes"] for a in parts],
+        "report": r0["report"]}
 
 
 def _record(cfg: Any, plan: Any, ranks: list[dict[str, Any]], planned: dict[str, int],
