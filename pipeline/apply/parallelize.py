@@ -30,8 +30,11 @@ dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...))``):
    parameters; tied parameters belong to the root), each with the mixed-precision policy
    ``MixedPrecisionPolicy(param_dtype, reduce_dtype)`` of the model config and the
    plan's ``reshard_after_forward``. The step computes the loss over the whole batch as
-   DTensor does (the loss is the global mean), so each unit's gradient divide factor is
-   1 (a sum of the ranks' partial gradients, not FSDP2's default average).
+   DTensor does (the loss is the global mean), so a unit sums the ranks' gradients
+   (divide factor 1) instead of FSDP2's default average, after a hook on each
+   unsharded parameter divides a gradient DTensor computed ``Replicate`` on one of the
+   unit's dims (the same on every rank there) by that dim's size; a ``Partial`` one is
+   a partial sum already.
 4. **The rest** (a parameter whose placement is no FSDP and no tensor-parallel style:
    stored on one layout, used on another that is not its gather; one with no data dim
    at all) is placed by ``distribute_tensor`` with the plan's stored placement, DTensor
@@ -216,7 +219,6 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
     readings = parameter_readings(plan, nodes)
     data = _data_dims(readings, len(names))
     uses = input_uses(plan, nodes)
-    split = {d for d in range(len(names)) if uses and not uses[0][d].is_replicate()}
     config = plan.model_config or {}
     mp = MixedPrecisionPolicy(
         param_dtype=getattr(torch, param_dtype or config.get("param_dtype", "float32")),
@@ -275,24 +277,27 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
                 return Shard(params[fqn]["shard_tensor_dim"])
         return None
 
+    def key(f: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        return tuple(params[f]["shard"]), tuple(params[f]["replicate"])
+
+    hooked: set[int] = set()
+
     def apply(module_name: str, members: list[str]) -> None:
-        keys = collections.Counter((tuple(params[f]["shard"]), tuple(params[f]["replicate"]))
-                                   for f in members)
+        keys = collections.Counter(key(f) for f in members)
         (shard, replicate), _ = keys.most_common(1)[0]
-        mine = [f for f in members
-                if (tuple(params[f]["shard"]), tuple(params[f]["replicate"])) == (shard,
-                                                                                   replicate)]
+        mine = [f for f in members if key(f) == (shard, replicate)]
         ignored = {p for f, p in new.items() if f not in mine and id(p) not in managed}
         module = model.get_submodule(module_name)
         dims = DataParallelMeshDims(shard=shard or None, replicate=replicate or None)
         fully_shard(module, mesh=mesh, dp_mesh_dims=dims, mp_policy=mp,
                     reshard_after_forward=reshard_after_forward, shard_placement_fn=shard_fn,
                     ignored_params=ignored)
-        # the loss is the global mean: sum the ranks' partial gradients, divided by the
-        # ranks on the FSDP2 dims whose batch is not split (identical contributions)
-        module.set_gradient_divide_factor(float(math.prod(
-            mesh.shape[names.index(n)] for n in shard + replicate
-            if names.index(n) not in split)))
+        # the loss is the global mean: FSDP2 sums the ranks' gradients, each made a
+        # partial sum first (:func:`_partial_gradients`)
+        module.set_gradient_divide_factor(1.0)
+        module.register_forward_pre_hook(functools.partial(
+            _partial_gradients, mesh, tuple(names.index(n) for n in shard + replicate),
+            hooked))
         module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         managed.update(id(new[f]) for f in mine)
         units[module_name] = {"shard": list(shard), "replicate": list(replicate),
@@ -330,6 +335,37 @@ def _text(placements: Sequence[Any]) -> str:
 def _module_order(model: Any) -> Any:
     order = {name: k for k, (name, _) in enumerate(model.named_modules())}
     return lambda name: order.get(name, len(order))
+
+
+def _partial_gradients(mesh: Any, dims: tuple[int, ...], hooked: set[int], module: Any,
+                       args: Any) -> None:
+    """Forward pre-hook of an FSDP2 unit (after FSDP2's own, so the unit's parameters are
+    the unsharded ones, ``Replicate`` on its dims): hook each unsharded parameter once so
+    that a gradient DTensor computes ``Replicate`` on one of the unit's dims (every rank
+    there holds the same value) is divided by that dim's size. FSDP2 then sums the
+    ranks' gradients: partial sums add up to the gradient, replicated copies to one."""
+    from torch.distributed.tensor import DTensor
+
+    if not dims:
+        return
+    for p in module.parameters():
+        if id(p) in hooked or not isinstance(p, DTensor) or p.device_mesh != mesh \
+                or not all(p.placements[d].is_replicate() for d in dims):
+            continue
+        hooked.add(id(p))
+        p.register_hook(functools.partial(_divide_replicated, mesh, dims))
+
+
+def _divide_replicated(mesh: Any, dims: tuple[int, ...], grad: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(grad, DTensor):
+        return grad
+    k = math.prod(mesh.shape[d] for d in dims if grad.placements[d].is_replicate())
+    if k == 1:
+        return grad
+    return DTensor.from_local(grad.to_local() / k, grad.device_mesh, grad.placements,
+                              run_check=False, shape=grad.shape, stride=grad.stride())
 
 
 def _to_placements(param: Any, grad: Any) -> Any:
