@@ -319,6 +319,15 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
             fallback[fqn] = "left outside every FSDP2 unit"
             params[fqn]["unit"] = None
             new[fqn].register_hook(functools.partial(_to_placements, new[fqn]))
+    for module_name in sorted({f.rpartition(".")[0] for f in fallback}):
+        layouts = module_layouts(plan, nodes, module_name)
+        _layout_hooks(model.get_submodule(module_name), mesh, *layouts)
+        for f in fallback:
+            if f.rpartition(".")[0] == module_name:
+                fallback[f] += (f"; module {module_name or 'root'}: inputs to "
+                                + ",".join(_text(p) for p in layouts[0])
+                                + (f", output to {_text(layouts[1])}" if layouts[1] else "")
+                                + " (distribute_module hooks)")
     _wrap_forward(model, uses, mesh, DTensor)
     return ParallelizeReport(parameters=params, units=units, fallback=fallback,
                              mixed_precision={"param_dtype": str(mp.param_dtype),
@@ -395,6 +404,76 @@ def input_uses(plan: Plan, nodes: Sequence[Any]) -> list[tuple[Any, ...]]:
             text = want if "P" not in want else text
         out.append(plan.placements(text))
     return out
+
+
+def module_layouts(plan: Plan, nodes: Sequence[Any], module: str
+                   ) -> tuple[list[tuple[Any, ...]], tuple[Any, ...] | None]:
+    """The activation layouts the plan gives a module's forward: the placement its first
+    op expects for each activation coming from outside (in order of first use: the
+    module's tensor inputs), and the placement the first op outside expects for its
+    output (None when nothing outside reads it)."""
+    pnode = {n.name: n for n in plan.nodes}
+    by_idx = {n.idx: n for n in nodes}
+
+    def inside(n: Any) -> bool:
+        path = n.module_path or ""
+        return n.phase == "fwd" and n.kind == "call_function" and (
+            path == module or (module != "" and path.startswith(module + ".")))
+
+    mine = [n for n in nodes if inside(n)]
+    ids = {n.idx for n in mine}
+    inputs: list[tuple[Any, ...]] = []
+    seen: set[int] = set()
+    for n in mine:
+        for k, r in enumerate(n.refs):
+            src = by_idx[r]
+            if r in ids or r in seen or (src.kind == "placeholder" and src.role != "input"):
+                continue
+            if src.kind == "call_function" and src.target in _PASS_THROUGH and all(
+                    by_idx[q].kind == "placeholder" and by_idx[q].role != "input"
+                    for q in src.refs):
+                continue  # a cast of a parameter: not an activation
+            seen.add(r)
+            inputs.append(plan.placements(pnode[n.name].inputs[k]))
+    output = None
+    for n in sorted(nodes, key=lambda n: n.idx):
+        if n.phase != "fwd" or n.kind != "call_function" or n.idx in ids:
+            continue
+        hits = [k for k, r in enumerate(n.refs) if r in ids]
+        if hits:
+            output = plan.placements(pnode[n.name].inputs[hits[-1]])
+            break
+    return inputs, output
+
+
+#: Ops between a parameter and the op using it (casts, detach).
+_PASS_THROUGH = frozenset({"aten._to_copy.default", "aten.detach.default", "aten.t.default"})
+
+
+def _layout_hooks(module: Any, mesh: Any, inputs: Sequence[tuple[Any, ...]],
+                  output: tuple[Any, ...] | None) -> None:
+    """Redistribute a module's DTensor inputs and output to the plan's layouts
+    (``distribute_module``'s ``input_fn`` / ``output_fn``; its parameters are DTensors
+    already)."""
+    from torch.distributed.tensor import DTensor, distribute_module
+
+    def input_fn(mod: Any, args: Any, device_mesh: Any) -> Any:
+        out, k = [], 0
+        for a in args:
+            if isinstance(a, DTensor) and k < len(inputs):
+                a = a.redistribute(device_mesh, inputs[k]) if tuple(a.placements) != tuple(
+                    inputs[k]) else a
+                k += 1
+            out.append(a)
+        return tuple(out)
+
+    def output_fn(mod: Any, out: Any, device_mesh: Any) -> Any:
+        if output is not None and isinstance(out, DTensor) and tuple(out.placements) != \
+                tuple(output):
+            return out.redistribute(device_mesh, output)
+        return out
+
+    distribute_module(module, mesh, input_fn=input_fn, output_fn=output_fn)
 
 
 def _wrap_forward(model: Any, uses: Sequence[tuple[Any, ...]], mesh: Any, dtensor: type
