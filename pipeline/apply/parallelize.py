@@ -42,9 +42,11 @@ dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...))``):
    gradient back to the stored placement; every such parameter is listed in the
    report's ``fallback`` with the reason, never dropped.
 5. **Activations.** The model's positional inputs become DTensors in the plan's input
-   placements (full tensors split locally), the forward runs under DTensor's implicit
-   replication (a plain tensor the module creates, such as position ids, is taken as
-   replicated), and a DTensor loss is redistributed to ``Replicate`` as the plan's loss.
+   placements (full tensors split locally), DTensor's implicit replication is turned on
+   for the process at the first forward (a plain tensor the module creates, such as
+   GPT-2's position ids, is taken as replicated, in forward and in the backward the
+   caller runs), and a DTensor loss is redistributed to ``Replicate`` as the plan's
+   loss.
 6. **Activation checkpointing** per the run's ``memory.activation_checkpointing``:
    ``full`` recomputes every ``nn.ModuleList`` element in backward
    (``torch.utils.checkpoint``, non-reentrant), ``selective`` saves the outputs of
@@ -481,7 +483,8 @@ def _wrap_forward(model: Any, uses: Sequence[tuple[Any, ...]], mesh: Any, dtenso
     """Inputs to their placements of use (:func:`input_uses`; full tensors split locally),
     the forward under implicit replication, a DTensor loss to ``Replicate``."""
     from torch.distributed.tensor import Replicate, distribute_tensor
-    from torch.distributed.tensor.experimental import implicit_replication
+
+    from pipeline.dtensor.torch_compat import allow_implicit_replication
 
     placements = dict(enumerate(uses))
     inner = model.forward
@@ -493,8 +496,10 @@ def _wrap_forward(model: Any, uses: Sequence[tuple[Any, ...]], mesh: Any, dtenso
         args = tuple(distribute_tensor(a, mesh, placements[k], src_data_rank=None)
                      if isinstance(a, torch.Tensor) and not isinstance(a, dtensor)
                      and k in placements else a for k, a in enumerate(args))
-        with implicit_replication():
-            out = inner(*args, **kwargs)
+        # plain tensors the module creates (GPT-2's position ids) are replicated, in
+        # forward and in the backward the caller runs later
+        allow_implicit_replication(True)
+        out = inner(*args, **kwargs)
         if isinstance(out, dtensor) and out.ndim == 0:
             out = out.redistribute(mesh, (Replicate(),) * mesh.ndim)
         return out

@@ -67,6 +67,7 @@ __all__ = [
     "TensorMeta",
     "TorchAPIError",
     "TupleStrategy",
+    "allow_implicit_replication",
     "aot_export_joint_with_descriptors",
     "decomposition",
     "default_shard_order",
@@ -439,6 +440,15 @@ def local_tensor(t: Any) -> Any:
 #: ``CommDebugMode`` counts besides its functional ones (FSDP2 issues these); not public.
 C10D_COLLECTIVE_OPS = _require("torch.distributed.tensor.debug._comm_mode",
                                "c10d_collective_ops")
+def allow_implicit_replication(on: bool = True) -> None:
+    """Let DTensor ops take plain tensors as replicated, in forward *and* backward (the
+    public ``torch.distributed.tensor.experimental.implicit_replication`` is a context
+    manager, which a backward run later, by the caller, is outside of; it sets
+    ``DTensor._op_dispatcher._allow_implicit_replication``, ``torch/distributed/tensor/
+    experimental/__init__.py:24``)."""
+    DTensor._op_dispatcher._allow_implicit_replication = bool(on)
+
+
 _RESOLVE_GROUP = _require("torch.distributed.distributed_c10d", "_resolve_process_group")
 
 
