@@ -128,6 +128,12 @@ def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     timings: dict[str, float] = {}
     ops = {resolve_target(n.target) for n in job["nodes"] if n.kind == "call_function"}
     with cpu_kernels(op for op in ops if op is not None):
+        if not job.get("interpret", True):
+            start = time.perf_counter()
+            result = {"rank": rank, "applied": _applied(rank, job, mesh)}
+            timings["applied_step"] = time.perf_counter() - start
+            result["seconds"] = timings
+            return result
         start = time.perf_counter()
         model = build_real_model(job["model_cfg"], job["seed"])
         inputs = real_inputs(job["model_cfg"], job["seed"])

@@ -214,9 +214,10 @@ def check_inputs(cfg: Any, plan_path: Path | None, nproc: int | None) -> Any:
 
 def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
            seed: int = DEFAULT_SEED, output: Path | None = None,
-           start_method: str = "fork") -> dict[str, Any]:
+           start_method: str = "fork", interpret: bool = True) -> dict[str, Any]:
     """Verify the plan of a resolved config (see the module docstring); returns the
-    ``verify.json`` record (also written).
+    ``verify.json`` record (also written). ``interpret=False`` runs the applied path
+    only (``parallelize`` and the module's own step), not the graph interpreter.
 
     Raises:
         PlanError: bad input (nothing written).
@@ -247,13 +248,17 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     prepared = time.perf_counter() - started
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         job = {"world": world, "store": os.path.join(tmp, "store"), "out_dir": tmp,
-               "plan": plan, "nodes": nodes, "model_cfg": model_cfg, "seed": int(seed)}
+               "plan": plan, "nodes": nodes, "model_cfg": model_cfg, "seed": int(seed),
+               "interpret": bool(interpret)}
         start = time.perf_counter()
         mp.start_processes(worker, args=(job,), nprocs=world, start_method=start_method,
                            join=True)
         spawned = time.perf_counter() - start
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
-    record = _record(cfg, plan, ranks, planned, planned_source, seed, Path(dirs.solve))
+    if interpret:
+        record = _record(cfg, plan, ranks, planned, planned_source, seed, Path(dirs.solve))
+    else:
+        record = _record_applied_only(cfg, plan, ranks, seed)
     if not record.get("error"):
         record["applied"] = applied_record(plan, nodes, ranks, path.parent)
         record["checks"]["applied"] = record["applied"]["ok"]
@@ -329,6 +334,20 @@ def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir
         "parameter_bytes_per_rank": [a["parameter_bytes"] for a in parts],
         "predicted_parameter_bytes_per_rank": [a["predicted_parameter_bytes"] for a in parts],
         "report": r0["report"]}
+
+
+def _record_applied_only(cfg: Any, plan: Any, ranks: list[dict[str, Any]], seed: int
+                         ) -> dict[str, Any]:
+    """The record of a run without the graph interpreter (``interpret=False``)."""
+    errors = [r["error"] for r in ranks if "error" in r]
+    base = {"run_id": plan.run_id, "plan": str(plan.path), "model": plan.model_name,
+            "mesh": "x".join(map(str, plan.mesh_shape)), "mesh_names": list(plan.mesh_names),
+            "processes": len(ranks), "backend": "gloo", "device": "cpu", "seed": int(seed),
+            "compute_dtype": "float32", "rtol": RTOL, "interpreted": False,
+            "traced_param_dtype": str(cfg.model.get("param_dtype", "float32"))}
+    if errors:
+        return {**base, "ok": False, "error": errors[0], "checks": {"applied": False}}
+    return {**base, "ok": True, "checks": {}}
 
 
 def _record(cfg: Any, plan: Any, ranks: list[dict[str, Any]], planned: dict[str, int],
