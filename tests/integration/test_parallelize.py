@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,13 +76,18 @@ def _applied(overrides: list[str]) -> tuple[dict, dict, object]:
     assert applied["checks"]["local_shapes"]
     for p in plan["parameters"]:
         got = applied["placements"][p["fqn"]]
-        tokens = p["placement"].replace(")", ") ").split()
+        tokens = _tokens(p["placement"])
         if len(set(tokens)) == 1 and tokens[0].startswith("S(") and len(tokens) > 1:
             # sharded over every dim alike: one Shard of the flattened dim, not HSDP
             assert got["applied"] == f"{tokens[0]} on {'_'.join(cfg.mesh_names)}", got
     world = math.prod(int(m) for m in cfg.mesh)
     assert record["processes"] == world
     return applied, plan, cfg
+
+
+def _tokens(placement: str) -> list[str]:
+    """``"RS(0)"`` -> ``["R", "S(0)"]`` (one token per mesh dim)."""
+    return re.findall(r"S\(\d+\)|R|P", placement)
 
 
 def _bytes_by_hand(plan: dict, mesh: tuple[int, ...]) -> list[int]:
@@ -97,7 +103,7 @@ def _bytes_by_hand(plan: dict, mesh: tuple[int, ...]) -> list[int]:
         total = 0
         for p in plan["parameters"]:
             shape = list(p["shape"])
-            tokens = p["placement"].replace(")", ") ").split()
+            tokens = _tokens(p["placement"])
             for k, tok in enumerate(tokens):
                 if tok.startswith("S("):
                     d = int(tok[2:-1])
