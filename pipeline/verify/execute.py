@@ -166,8 +166,9 @@ def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
                 full, placement = grads[fqn]
                 result["grads"][fqn] = {"shape": list(ref.shape), "placement": placement,
                                         **difference(full, ref)}
-        start = time.perf_counter()
-        result["applied"] = _applied(rank, job, mesh)
-        timings["applied_step"] = time.perf_counter() - start
+        if job.get("applied", True):
+            start = time.perf_counter()
+            result["applied"] = _applied(rank, job, mesh)
+            timings["applied_step"] = time.perf_counter() - start
     result["seconds"] = timings
     return result

@@ -214,10 +214,12 @@ def check_inputs(cfg: Any, plan_path: Path | None, nproc: int | None) -> Any:
 
 def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
            seed: int = DEFAULT_SEED, output: Path | None = None,
-           start_method: str = "fork", interpret: bool = True) -> dict[str, Any]:
+           start_method: str = "fork", interpret: bool = True, applied: bool = True
+           ) -> dict[str, Any]:
     """Verify the plan of a resolved config (see the module docstring); returns the
     ``verify.json`` record (also written). ``interpret=False`` runs the applied path
-    only (``parallelize`` and the module's own step), not the graph interpreter.
+    only (``parallelize`` and the module's own step), not the graph interpreter;
+    ``applied=False`` the interpreter only.
 
     Raises:
         PlanError: bad input (nothing written).
@@ -249,7 +251,7 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         job = {"world": world, "store": os.path.join(tmp, "store"), "out_dir": tmp,
                "plan": plan, "nodes": nodes, "model_cfg": model_cfg, "seed": int(seed),
-               "interpret": bool(interpret)}
+               "interpret": bool(interpret), "applied": bool(applied)}
         start = time.perf_counter()
         mp.start_processes(worker, args=(job,), nprocs=world, start_method=start_method,
                            join=True)
@@ -259,7 +261,7 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
         record = _record(cfg, plan, ranks, planned, planned_source, seed, Path(dirs.solve))
     else:
         record = _record_applied_only(cfg, plan, ranks, seed)
-    if not record.get("error"):
+    if applied and not record.get("error"):
         record["applied"] = applied_record(plan, nodes, ranks, path.parent)
         record["checks"]["applied"] = record["applied"]["ok"]
         record["ok"] = bool(record["ok"] and record["applied"]["ok"])
