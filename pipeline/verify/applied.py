@@ -38,7 +38,7 @@ def applied_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
     from pipeline.apply.parallelize import parallelize
     from pipeline.core.dtypes import itemsize
     from pipeline.dtensor.placements import format_placements, local_shape
-    from pipeline.verify.execute import difference, reference_step
+    from pipeline.verify.compare import difference, reference_step
     from pipeline.verify.models import build_real_model, real_inputs
 
     plan = job["plan"]

@@ -18,13 +18,13 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import PlanError
+from pipeline.verify.compare import difference, reference_step
 from pipeline.verify.models import VerifyUsageError, build_real_model, real_inputs
 
 #: Seconds a process waits in a collective before giving up (a peer failed).
@@ -53,25 +53,6 @@ def check_deterministic(nodes: Sequence[Any]) -> None:
                     f"p={p} draws random masks the planned and reference steps cannot "
                     "share; allowed: dropout 0 (e.g. model.config.resid_pdrop=0 "
                     "model.config.embd_pdrop=0 model.config.attn_pdrop=0)")
-
-
-def reference_step(model: Any, inputs: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
-    """The unsharded training step in one process: ``loss = model(*inputs)``,
-    ``loss.backward()``; returns the loss and ``{fqn: grad}``."""
-    model.zero_grad(set_to_none=True)
-    loss = model(*inputs)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-    return loss.detach(), grads
-
-
-def difference(got: Any, ref: Any) -> dict[str, float]:
-    """``{"abs_diff": max|a - b|, "rel_diff": max|a - b| / max|b|}`` (0 when equal)."""
-    diff = float((got.double() - ref.double()).abs().max()) if got.numel() else 0.0
-    scale = float(ref.double().abs().max()) if ref.numel() else 0.0
-    rel = 0.0 if diff == 0.0 else (diff / scale if scale > 0 else math.inf)
-    return {"abs_diff": diff, "rel_diff": rel}
 
 
 # --------------------------------------------------------------------------- workers
