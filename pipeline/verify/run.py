@@ -251,7 +251,9 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         job = {"world": world, "store": os.path.join(tmp, "store"), "out_dir": tmp,
                "plan": plan, "nodes": nodes, "model_cfg": model_cfg, "seed": int(seed),
-               "interpret": bool(interpret), "applied": bool(applied)}
+               "interpret": bool(interpret), "applied": bool(applied),
+               "activation_checkpointing": str(
+                   OmegaConf.select(cfg, "memory.activation_checkpointing") or "none")}
         start = time.perf_counter()
         mp.start_processes(worker, args=(job,), nprocs=world, start_method=start_method,
                            join=True)

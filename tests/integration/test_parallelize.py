@@ -132,7 +132,8 @@ def test_planner_plan_applied_matches_the_unsharded_step(results: Path, mesh: st
                                               f"reduce_scatter({dims})": 5}
 
 
-@pytest.mark.parametrize("recipe", ["ddp", "hsdp", "fsdp"])
+@pytest.mark.parametrize("recipe", [pytest.param("ddp", marks=pytest.mark.slow), "hsdp",
+                                    pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_recipe_plans_applied_match(results: Path, recipe: str) -> None:
     """Whatever the recipe pins: the plan it gives is applied and matches."""
     applied, plan, _ = _applied([*TINY, "mesh=2x2", f"recipe={recipe}",
@@ -144,7 +145,7 @@ def test_recipe_plans_applied_match(results: Path, recipe: str) -> None:
                           for p in rs)
 
 
-@pytest.mark.parametrize("model", sorted(HF))
+@pytest.mark.parametrize("model", ["gpt2", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_hf_plans_applied_match(results: Path, model: str) -> None:
     pytest.importorskip("transformers")
     applied, plan, _ = _applied([*HF[model], *HF_SHAPE, f"results_dir={results}"])
@@ -164,6 +165,16 @@ def test_a_layout_no_style_expresses_goes_through_the_fallback(results: Path) ->
     assert "inputs to R, output to S(0)" in fallback["tok_embeddings.weight"]
     assert applied["placements"]["tok_embeddings.weight"]["applied"] == "S(1) on dp"
     assert applied["placements"]["tok_embeddings.weight"]["same_shard"]
+
+
+@pytest.mark.parametrize("mode", [pytest.param("full", marks=pytest.mark.slow), "selective"])
+def test_activation_checkpointing_applied_matches(results: Path, mode: str) -> None:
+    """The run's ``memory.activation_checkpointing``: every layer recomputed in backward
+    (selective: matmul and attention outputs saved), the same loss and gradients."""
+    applied, _, _ = _applied([*TINY, "mesh=4", f"memory.activation_checkpointing={mode}",
+                              f"results_dir={results}"])
+    assert applied["report"]["activation_checkpointing"] == {
+        "mode": mode, "modules": ["layers.0", "layers.1"]}
 
 
 def test_renamed_layer_is_refused_naming_it(results: Path) -> None:
