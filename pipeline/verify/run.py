@@ -30,7 +30,11 @@ rounding. Written (atomically) to ``verify.json`` beside the plan:
 * ``memory``: peak bytes of live local tensors per rank, beside the plan's predicted
   bytes per device when the run record has a memory model (else null);
 * ``styles``: the plan read as FSDP2 / tensor-parallel styles
-  (:func:`pipeline.apply.torch_styles`).
+  (:func:`pipeline.apply.torch_styles`);
+* ``applied``: the applied path (:mod:`pipeline.verify.applied`): the real module
+  parallelized with :func:`pipeline.apply.parallelize` and trained one step beside the
+  unsharded one, parameters' local shapes and shards against the plan, collectives
+  and parameter bytes beside the plan's (:func:`applied_record`).
 
 Exit status: 0 the plan verified; 1 it did not (``verify.json`` says why) or a
 process failed; 2 bad input (one line on stderr, nothing written): a bad override or
