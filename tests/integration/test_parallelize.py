@@ -132,13 +132,18 @@ def test_planner_plan_applied_matches_the_unsharded_step(results: Path, mesh: st
                                               f"reduce_scatter({dims})": 5}
 
 
-@pytest.mark.parametrize("recipe", [pytest.param("ddp", marks=pytest.mark.slow), "hsdp",
-                                    pytest.param("fsdp", marks=pytest.mark.slow)])
-def test_recipe_plans_applied_match(results: Path, recipe: str) -> None:
-    """Whatever the recipe pins: the plan it gives is applied and matches."""
-    applied, plan, _ = _applied([*TINY, "mesh=2x2", f"recipe={recipe}",
+@pytest.mark.parametrize(("mesh", "recipe"), [
+    pytest.param("2x2", "ddp", marks=pytest.mark.slow), ("2x2", "hsdp"),
+    pytest.param("2x2", "fsdp", marks=pytest.mark.slow),
+    pytest.param("2x2", "fsdp_tp", marks=pytest.mark.slow),
+    pytest.param("2x2x2", "fsdp_tp_cp", marks=pytest.mark.slow)])
+def test_recipe_plans_applied_match(results: Path, mesh: str, recipe: str) -> None:
+    """Whatever the recipe pins: the plan it gives is applied and matches (a weight the
+    plan uses in a layout no style expresses goes through the fallback)."""
+    shape = tuple(int(m) for m in mesh.split("x"))
+    applied, plan, _ = _applied([*TINY, f"mesh={mesh}", f"recipe={recipe}",
                                  f"results_dir={results}"])
-    assert applied["parameter_bytes_per_rank"] == _bytes_by_hand(plan, (2, 2))
+    assert applied["parameter_bytes_per_rank"] == _bytes_by_hand(plan, shape)
     if recipe == "hsdp":
         rs = [p for p in plan["parameters"] if p["placement"] == "RS(0)"]
         assert rs and all(applied["placements"][p["fqn"]]["applied"] == "RS(0) on dp,tp"
