@@ -16,6 +16,9 @@ module                              job
 :mod:`pipeline.apply.state_dict`    export: :func:`state_dict_layout` (the placement of
                                     every state-dict entry, tied names included),
                                     :func:`distribute_state_dict`
+:mod:`pipeline.apply.parallelize`   :func:`parallelize`: the plan applied to the
+                                    user's module in place (FSDP2, tensor-parallel
+                                    placements, fallback), with its report
 :mod:`pipeline.apply.styles`        export: :func:`torch_styles` (FSDP2 ``fully_shard``
                                     mesh dims and tensor-parallel ``parallelize_module``
                                     styles, when the plan matches them, with the
@@ -26,6 +29,7 @@ module                              job
 from __future__ import annotations
 
 from pipeline.apply.counter import COLLECTIVE_KINDS, CollectiveCounter
+from pipeline.apply.parallelize import ParallelizeReport, check_names, parallelize
 from pipeline.apply.state_dict import distribute_state_dict, state_dict_layout
 from pipeline.apply.step import (
     PlacementMismatchError,
@@ -37,6 +41,7 @@ from pipeline.apply.step import (
 )
 from pipeline.apply.styles import ModuleStyle, TorchStyles, torch_styles
 
-__all__ = ["COLLECTIVE_KINDS", "CollectiveCounter", "ModuleStyle", "PlacementMismatchError",
-           "StepResult", "TorchStyles", "distribute_full", "distribute_state_dict",
-           "resolve_target", "run_graph", "run_step", "state_dict_layout", "torch_styles"]
+__all__ = ["COLLECTIVE_KINDS", "CollectiveCounter", "ModuleStyle", "ParallelizeReport",
+           "PlacementMismatchError", "StepResult", "TorchStyles", "check_names",
+           "distribute_full", "distribute_state_dict", "parallelize", "resolve_target",
+           "run_graph", "run_step", "state_dict_layout", "torch_styles"]

@@ -15,7 +15,7 @@ from pipeline.core.ir import load_nodes
 from pipeline.dtensor.placements import format_placements
 from pipeline.plan.format import Plan
 
-__all__ = ["ModuleStyle", "TorchStyles", "torch_styles"]
+__all__ = ["ModuleStyle", "TorchStyles", "parameter_readings", "torch_styles"]
 
 #: Ops a parameter passes through on its way to the op that computes with it (casts
 #: and views): the *use* of the parameter is the placement the first of them expects.
@@ -95,32 +95,12 @@ class TorchStyles:
 
 
 
-def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
-    """Express the plan's parameter placements as FSDP2 / tensor-parallel styles.
-
-    For each parameter and mesh dim the storage placement is compared with the
-    placement it is *used* in: the placement its first forward consumer expects, past
-    casts that keep the storage placement (``_to_copy`` to the compute dtype). Readings:
-
-    * stored ``S(k)``, used ``R``: FSDP over that dim (``fully_shard``; ``k != 0`` needs
-      a ``shard_placement_fn``);
-    * stored ``R``, used ``R``: replicated over that dim (DDP, HSDP's replicate dim); a
-      1-d weight of a module whose activations are sequence-sharded (``S(1)``) there
-      is ``SequenceParallel``;
-    * stored = used ``S(d)``: tensor parallel: for a matrix ``[out, in]`` consumed by a
-      matmul ``d = 0`` is ``ColwiseParallel``, ``d = 1`` ``RowwiseParallel``; for an
-      embedding table (consumed by ``aten.embedding``) ``d = 0`` is ``RowwiseParallel``
-      and ``d = 1`` ``ColwiseParallel``;
-    * anything else (used sharded but stored otherwise, a sharded 1-d weight, ...) has
-      no standard style.
-
-    A module matches when all its parameters read the same on every mesh dim and at
-    most one mesh dim is tensor parallel; otherwise it is listed in ``unmatched``.
-    For a matmul weight the activations must follow the style too (ColwiseParallel:
-    replicated input, output sharded on its last dim; RowwiseParallel: input sharded on
-    its last dim, partial-sum output, which the consumer all-reduces or reduce-scatters).
-    ``nodes``: the decoded graph IR; default the run's (:func:`run_graph`).
-    """
+def parameter_readings(plan: Plan, nodes: Sequence[Any] | None = None
+                       ) -> dict[str, list[str]]:
+    """``{parameter fqn: [reading per mesh dim]}``: each reading is ``fsdp:<tensor dim>``,
+    ``replicate``, ``ColwiseParallel``, ``RowwiseParallel``, ``SequenceParallel`` or
+    ``other: <why>`` (the rules of :func:`torch_styles`).
+    ``nodes``: the decoded graph IR; default the run's (:func:`run_graph`)."""
     if nodes is None:
         nodes = load_nodes(run_graph(plan))
     names = plan.mesh_names
@@ -174,9 +154,8 @@ def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
             return f"other: a row-sharded weight with input {act} and output {out}"
         return None
 
-    per_module: dict[str, list[tuple[str, list[str]]]] = {}
+    out: dict[str, list[str]] = {}
     for p in plan.parameters:
-        module = p.name.rsplit(".", 1)[0] if "." in p.name else ""
         use = first_use(p.node)
         stored = plan.placements(p.placement)
         used = plan.placements(use[0]) if use else stored
@@ -190,7 +169,42 @@ def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
             if r in ("ColwiseParallel", "RowwiseParallel"):
                 r = layouts_ok(r, op, pos, d) or r
             readings.append(r)
-        per_module.setdefault(module, []).append((p.name, readings))
+        out[p.name] = readings
+    return out
+
+
+def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
+    """Express the plan's parameter placements as FSDP2 / tensor-parallel styles.
+
+    For each parameter and mesh dim the storage placement is compared with the
+    placement it is *used* in: the placement its first forward consumer expects, past
+    casts that keep the storage placement (``_to_copy`` to the compute dtype). Readings:
+
+    * stored ``S(k)``, used ``R``: FSDP over that dim (``fully_shard``; ``k != 0`` needs
+      a ``shard_placement_fn``);
+    * stored ``R``, used ``R``: replicated over that dim (DDP, HSDP's replicate dim); a
+      1-d weight of a module whose activations are sequence-sharded (``S(1)``) there
+      is ``SequenceParallel``;
+    * stored = used ``S(d)``: tensor parallel: for a matrix ``[out, in]`` consumed by a
+      matmul ``d = 0`` is ``ColwiseParallel``, ``d = 1`` ``RowwiseParallel``; for an
+      embedding table (consumed by ``aten.embedding``) ``d = 0`` is ``RowwiseParallel``
+      and ``d = 1`` ``ColwiseParallel``;
+    * anything else (used sharded but stored otherwise, a sharded 1-d weight, ...) has
+      no standard style.
+
+    A module matches when all its parameters read the same on every mesh dim and at
+    most one mesh dim is tensor parallel; otherwise it is listed in ``unmatched``.
+    For a matmul weight the activations must follow the style too (ColwiseParallel:
+    replicated input, output sharded on its last dim; RowwiseParallel: input sharded on
+    its last dim, partial-sum output, which the consumer all-reduces or reduce-scatters).
+    ``nodes``: the decoded graph IR; default the run's (:func:`run_graph`).
+    """
+    readings_of = parameter_readings(plan, nodes)
+    names = plan.mesh_names
+    per_module: dict[str, list[tuple[str, list[str]]]] = {}
+    for p in plan.parameters:
+        module = p.name.rsplit(".", 1)[0] if "." in p.name else ""
+        per_module.setdefault(module, []).append((p.name, readings_of[p.name]))
 
     modules: dict[str, ModuleStyle] = {}
     unmatched: dict[str, str] = {}

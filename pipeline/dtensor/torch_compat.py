@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 __all__ = [
     "BufferAOTInput",
+    "C10D_COLLECTIVE_OPS",
     "C_PARTIAL",
     "C_REPLICATE",
     "C_SHARD",
@@ -66,6 +67,7 @@ __all__ = [
     "TensorMeta",
     "TorchAPIError",
     "TupleStrategy",
+    "allow_implicit_replication",
     "aot_export_joint_with_descriptors",
     "decomposition",
     "default_shard_order",
@@ -82,8 +84,10 @@ __all__ = [
     "op_schema_info",
     "op_strategy_func",
     "placement_transition_cost",
+    "process_group_name",
     "qualified_op_name",
     "reparametrize_module",
+    "resolve_process_group",
     "sharding_propagator",
     "single_dim_strategy_func",
     "strategy_rejection",
@@ -430,6 +434,41 @@ def local_tensor(t: Any) -> Any:
     only with autograd off; with autograd on it adds a ``_ToTorchTensor`` node
     (``_api.py:604``), which the plan's step functions do not want."""
     return t._local_tensor
+
+
+#: ``torch/distributed/tensor/debug/_comm_mode.py:44``: the ``c10d`` collective ops
+#: ``CommDebugMode`` counts besides its functional ones (FSDP2 issues these); not public.
+C10D_COLLECTIVE_OPS = _require("torch.distributed.tensor.debug._comm_mode",
+                               "c10d_collective_ops")
+def allow_implicit_replication(on: bool = True) -> None:
+    """Let DTensor ops take plain tensors as replicated, in forward *and* backward (the
+    public ``torch.distributed.tensor.experimental.implicit_replication`` is a context
+    manager, which a backward run later, by the caller, is outside of; it sets
+    ``DTensor._op_dispatcher._allow_implicit_replication``, ``torch/distributed/tensor/
+    experimental/__init__.py:24``)."""
+    DTensor._op_dispatcher._allow_implicit_replication = bool(on)
+
+
+_RESOLVE_GROUP = _require("torch.distributed.distributed_c10d", "_resolve_process_group")
+
+
+def resolve_process_group(group_name: str) -> Any:
+    """The process group of a functional collective's ``group_name`` argument, or None
+    (``torch.distributed.distributed_c10d._resolve_process_group``, from
+    ``torch._C._distributed_c10d``; no public lookup by name)."""
+    try:
+        return _RESOLVE_GROUP(group_name)
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
+def process_group_name(boxed: Any) -> str:
+    """The name of the process group a ``c10d`` op receives (a ``torch.ScriptObject``
+    boxing it, as FSDP2's ``dist.all_gather_into_tensor`` passes it):
+    ``ProcessGroup.unbox(boxed).group_name``."""
+    import torch.distributed as dist
+
+    return dist.ProcessGroup.unbox(boxed).group_name
 
 
 # ------------------------------------------------------- DTensor's redistribution planner

@@ -18,13 +18,13 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import PlanError
+from pipeline.verify.compare import difference, reference_step
 from pipeline.verify.models import VerifyUsageError, build_real_model, real_inputs
 
 #: Seconds a process waits in a collective before giving up (a peer failed).
@@ -53,25 +53,6 @@ def check_deterministic(nodes: Sequence[Any]) -> None:
                     f"p={p} draws random masks the planned and reference steps cannot "
                     "share; allowed: dropout 0 (e.g. model.config.resid_pdrop=0 "
                     "model.config.embd_pdrop=0 model.config.attn_pdrop=0)")
-
-
-def reference_step(model: Any, inputs: Sequence[Any]) -> tuple[Any, dict[str, Any]]:
-    """The unsharded training step in one process: ``loss = model(*inputs)``,
-    ``loss.backward()``; returns the loss and ``{fqn: grad}``."""
-    model.zero_grad(set_to_none=True)
-    loss = model(*inputs)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-             if p.grad is not None}
-    return loss.detach(), grads
-
-
-def difference(got: Any, ref: Any) -> dict[str, float]:
-    """``{"abs_diff": max|a - b|, "rel_diff": max|a - b| / max|b|}`` (0 when equal)."""
-    diff = float((got.double() - ref.double()).abs().max()) if got.numel() else 0.0
-    scale = float(ref.double().abs().max()) if ref.numel() else 0.0
-    rel = 0.0 if diff == 0.0 else (diff / scale if scale > 0 else math.inf)
-    return {"abs_diff": diff, "rel_diff": rel}
 
 
 # --------------------------------------------------------------------------- workers
@@ -103,6 +84,18 @@ def worker(rank: int, job: dict[str, Any]) -> None:
     out.write_text(json.dumps(result, sort_keys=True))
 
 
+def _applied(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """The applied path (:mod:`pipeline.verify.applied`); a failure is recorded, one
+    line with its type, as the result of that check."""
+    from pipeline.verify.applied import applied_rank
+
+    try:
+        return applied_rank(rank, job, mesh)
+    except Exception as err:  # noqa: BLE001 - recorded in verify.json as the check's result
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return {"error": f"{type(err).__name__}: {first}"}
+
+
 def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -116,6 +109,12 @@ def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     timings: dict[str, float] = {}
     ops = {resolve_target(n.target) for n in job["nodes"] if n.kind == "call_function"}
     with cpu_kernels(op for op in ops if op is not None):
+        if not job.get("interpret", True):
+            start = time.perf_counter()
+            result = {"rank": rank, "applied": _applied(rank, job, mesh)}
+            timings["applied_step"] = time.perf_counter() - start
+            result["seconds"] = timings
+            return result
         start = time.perf_counter()
         model = build_real_model(job["model_cfg"], job["seed"])
         inputs = real_inputs(job["model_cfg"], job["seed"])
@@ -148,5 +147,9 @@ def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
                 full, placement = grads[fqn]
                 result["grads"][fqn] = {"shape": list(ref.shape), "placement": placement,
                                         **difference(full, ref)}
+        if job.get("applied", True):
+            start = time.perf_counter()
+            result["applied"] = _applied(rank, job, mesh)
+            timings["applied_step"] = time.perf_counter() - start
     result["seconds"] = timings
     return result

@@ -30,7 +30,11 @@ rounding. Written (atomically) to ``verify.json`` beside the plan:
 * ``memory``: peak bytes of live local tensors per rank, beside the plan's predicted
   bytes per device when the run record has a memory model (else null);
 * ``styles``: the plan read as FSDP2 / tensor-parallel styles
-  (:func:`pipeline.apply.torch_styles`).
+  (:func:`pipeline.apply.torch_styles`);
+* ``applied``: the applied path (:mod:`pipeline.verify.applied`): the real module
+  parallelized with :func:`pipeline.apply.parallelize` and trained one step beside the
+  unsharded one, parameters' local shapes and shards against the plan, collectives
+  and parameter bytes beside the plan's (:func:`applied_record`).
 
 Exit status: 0 the plan verified; 1 it did not (``verify.json`` says why) or a
 process failed; 2 bad input (one line on stderr, nothing written): a bad override or
@@ -216,9 +220,12 @@ def check_inputs(cfg: Any, plan_path: Path | None, nproc: int | None) -> Any:
 
 def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
            seed: int = DEFAULT_SEED, output: Path | None = None,
-           start_method: str = "fork") -> dict[str, Any]:
+           start_method: str = "fork", interpret: bool = True, applied: bool = True
+           ) -> dict[str, Any]:
     """Verify the plan of a resolved config (see the module docstring); returns the
-    ``verify.json`` record (also written).
+    ``verify.json`` record (also written). ``interpret=False`` runs the applied path
+    only (``parallelize`` and the module's own step), not the graph interpreter;
+    ``applied=False`` the interpreter only.
 
     Raises:
         PlanError: bad input (nothing written).
@@ -248,12 +255,22 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     prepared = time.perf_counter() - started
     with tempfile.TemporaryDirectory(prefix="verify-") as tmp:
         job = {"world": world, "store": os.path.join(tmp, "store"), "out_dir": tmp,
-               "plan": plan, "nodes": nodes, "model_cfg": model_cfg, "seed": int(seed)}
+               "plan": plan, "nodes": nodes, "model_cfg": model_cfg, "seed": int(seed),
+               "interpret": bool(interpret), "applied": bool(applied),
+               "activation_checkpointing": str(
+                   OmegaConf.select(cfg, "memory.activation_checkpointing") or "none")}
         start = time.perf_counter()
         run_workers(worker, (job,), world, start_method)  # stopped on SIGINT / SIGTERM
         spawned = time.perf_counter() - start
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
-    record = _record(cfg, plan, ranks, planned, planned_source, seed, Path(dirs.solve))
+    if interpret:
+        record = _record(cfg, plan, ranks, planned, planned_source, seed, Path(dirs.solve))
+    else:
+        record = _record_applied_only(cfg, plan, ranks, seed)
+    if applied and not record.get("error"):
+        record["applied"] = applied_record(plan, nodes, ranks, path.parent)
+        record["checks"]["applied"] = record["applied"]["ok"]
+        record["ok"] = bool(record["ok"] and record["applied"]["ok"])
     from pipeline.apply import torch_styles
 
     styles = torch_styles(plan, nodes)
@@ -270,6 +287,75 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     runtime.write_json(target, record)
     record["path"] = str(target)
     return record
+
+
+def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir: Path
+                   ) -> dict[str, Any]:
+    """The applied path's part of ``verify.json`` (:mod:`pipeline.verify.applied`): ``ok``
+    when the loss and every gradient match within :data:`RTOL` and every parameter has
+    its planned local shape on every rank. The check ``parameter_collectives`` (the
+    parameter collectives counted equal the plan's as FSDP2 buckets them, on every rank)
+    is reported beside it, not part of ``ok``: FSDP2 re-gathers every unit before its
+    backward, also one whose backward reads no weight (the embedding), which the plan
+    counts once. The activation collectives of the plan and of the applied step are
+    listed side by side (the module's own step need not issue the traced graph's
+    activation redistributions one for one: the plan gathers the log-probabilities
+    before the loss, the applied step all-reduces the partial loss)."""
+    from pipeline.verify.applied import applied_planned
+
+    parts = [r.get("applied", {"error": "no applied result"}) for r in ranks]
+    errors = [a["error"] for a in parts if "error" in a]
+    if errors:
+        return {"ok": False, "error": errors[0]}
+    r0 = parts[0]
+    grads = r0["grads"]
+    rels = [r0["loss"]["rel_diff"]] + [g.get("rel_diff", math.inf) for g in grads.values()]
+    numbers_ok = all(x <= RTOL for x in rels) and not any(g.get("missing")
+                                                           for g in grads.values())
+    shapes_ok = all(v["local_shape"] == v["planned_local_shape"]
+                    for a in parts for v in a["placements"].values())
+    units = {f: v["unit"] for f, v in r0["report"]["parameters"].items()}
+    rows: list[dict[str, Any]] = []
+    table_path = solve_dir / "redistributions.parquet"
+    if table_path.exists():
+        rows = runtime.read_parquet(table_path).to_pylist()
+    planned_params, planned_acts = applied_planned(rows, nodes, plan, units)
+    counted = r0["collectives"]
+    managed = set(planned_params)
+    counted_params = {k: v for k, v in counted.items() if k in managed}
+    counted_acts = {k: v for k, v in counted.items() if k not in managed}
+    coll_ok = counted_params == planned_params and all(
+        a["collectives"] == counted for a in parts)
+    return {
+        "ok": bool(numbers_ok and shapes_ok),
+        "checks": {"loss_and_grads": bool(numbers_ok), "local_shapes": bool(shapes_ok),
+                   "parameter_collectives": bool(coll_ok),
+                   "same_shards": all(v["same_shard"] for a in parts
+                                      for v in a["placements"].values())},
+        "loss": r0["loss"], "grads": grads,
+        "max_grad_rel_diff": max(rels[1:], default=0.0),
+        "placements": r0["placements"],
+        "collectives": {"counted": counted, "planned_parameters": planned_params,
+                        "counted_parameters": counted_params,
+                        "planned_activations": planned_acts,
+                        "counted_activations": counted_acts},
+        "parameter_bytes_per_rank": [a["parameter_bytes"] for a in parts],
+        "predicted_parameter_bytes_per_rank": [a["predicted_parameter_bytes"] for a in parts],
+        "report": r0["report"]}
+
+
+def _record_applied_only(cfg: Any, plan: Any, ranks: list[dict[str, Any]], seed: int
+                         ) -> dict[str, Any]:
+    """The record of a run without the graph interpreter (``interpret=False``)."""
+    errors = [r["error"] for r in ranks if "error" in r]
+    base = {"run_id": plan.run_id, "plan": str(plan.path), "model": plan.model_name,
+            "mesh": "x".join(map(str, plan.mesh_shape)), "mesh_names": list(plan.mesh_names),
+            "processes": len(ranks), "backend": "gloo", "device": "cpu", "seed": int(seed),
+            "compute_dtype": "float32", "rtol": RTOL, "interpreted": False,
+            "traced_param_dtype": str(cfg.model.get("param_dtype", "float32"))}
+    if errors:
+        return {**base, "ok": False, "error": errors[0], "checks": {"applied": False}}
+    return {**base, "ok": True, "checks": {}}
 
 
 def _record(cfg: Any, plan: Any, ranks: list[dict[str, Any]], planned: dict[str, int],

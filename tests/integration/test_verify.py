@@ -77,7 +77,7 @@ def test_plan_runs_as_planned(results: Path, mesh: str, budget: str) -> None:
     from pipeline.verify.run import RTOL, build_real_model, verify
 
     cfg, dirs = _prepare(_overrides(results, mesh, budget))
-    record = verify(cfg)
+    record = verify(cfg, applied=False)  # the applied path: test_parallelize.py
     assert record["ok"], record.get("error") or record["checks"]
     assert record["processes"] == {"4": 4, "2x2": 4, "2x4": 8}[mesh]
     # Every parameter of the model (named by the module, not by the plan) has a gradient
@@ -136,7 +136,7 @@ def test_reference_is_the_models_own_step(results: Path) -> None:
 
     cfg, dirs = _prepare(_overrides(results, "2x2", "default"))
     done = Path(dirs.solve) / "verify.json"
-    record = json.loads(done.read_text()) if done.exists() else verify(cfg)
+    record = json.loads(done.read_text()) if done.exists() else verify(cfg, applied=False)
     model_cfg = dict(cfg.model)
     with cpu_kernels(), torch.no_grad():
         loss = build_real_model(model_cfg, 0)(*real_inputs(model_cfg, 0))
@@ -161,7 +161,7 @@ def test_a_placement_dtensor_does_not_produce_fails_naming_the_node(results: Pat
     doc["placement_hash"] = _rehash(edited)  # as a planner that chose RR would write it
     edited.write_text(json.dumps(doc))
     shutil.copy(Path(dirs.solve) / "redistributions.parquet", edited.parent)
-    record = verify(cfg, plan_path=edited)
+    record = verify(cfg, plan_path=edited, applied=False)
     assert not record["ok"]
     assert f"node {target['name']} (aten.mm.default" in record["error"]
     assert "the plan says RR" in record["error"]

@@ -98,7 +98,7 @@ def test_gpt2_tied_embeddings_plan_runs_as_planned(results: Path) -> None:
     from pipeline.verify.run import build_real_model, verify
 
     cfg, dirs = _prepare([*GPT2, *NO_DROPOUT, *SHAPE, "mesh=2x2", f"results_dir={results}"])
-    record = verify(cfg)
+    record = verify(cfg, applied=False)  # the applied path: test_parallelize.py
     assert record["processes"] == 4
     names = _check_record(cfg, dirs, record)
     # Tied: lm_head.weight is transformer.wte.weight, one tensor, one gradient, under
@@ -119,7 +119,7 @@ def test_mixtral_moe_plan_runs_as_planned(results: Path) -> None:
     # bf16 experts: up and down projection forward, input and weight gradient of each
     assert targets["aten._grouped_mm.default"] == 2 + 4
     assert targets["aten.histc.default"] == 1  # tokens per expert, int32 expert ids
-    record = verify(cfg)
+    record = verify(cfg, applied=False)  # the applied path: test_parallelize.py
     assert record["processes"] == 4
     names = _check_record(cfg, dirs, record)
     assert {"model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
@@ -158,6 +158,6 @@ def test_mixtral_float32_experts_fallback_op_runs_replicated(results: Path) -> N
     fallback = [n for n in plan["nodes"] if "grouped_mm_fallback" in n["op"]]
     assert len(fallback) == 4 and all(n["fallback"] and set(n["output"]) <= set("R(|)")
                                       for n in fallback)
-    record = verify(cfg)
+    record = verify(cfg, applied=False)  # the applied path: test_parallelize.py
     assert record["processes"] == 2
     _check_record(cfg, dirs, record)

@@ -447,3 +447,44 @@ def test_reparametrize_module() -> None:
         with tc.reparametrize_module(lin, zeros, strict=False):
             assert torch.equal(lin(torch.ones(1, 2)), torch.zeros(1, 2))
         assert lin.weight.abs().sum() > 0
+
+
+def test_c10d_collective_ops() -> None:
+    with api("torch.distributed.tensor.debug._comm_mode.c10d_collective_ops"):
+        ops = tc.C10D_COLLECTIVE_OPS
+        assert torch.ops.c10d._allgather_base_ in ops
+        assert torch.ops.c10d._reduce_scatter_base_ in ops and torch.ops.c10d.allreduce_ in ops
+
+
+def test_process_group_lookups(tmp_path) -> None:
+    """One real gloo process group: its name resolves to it, and the boxed object a c10d
+    op receives unboxes to the same name."""
+    import torch.distributed as dist
+
+    with api("distributed_c10d._resolve_process_group / ProcessGroup.unbox"):
+        started = not dist.is_initialized()
+        if started:
+            dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                                    world_size=1)
+        try:
+            group = dist.new_group([0])
+            assert tc.resolve_process_group(group.group_name) is not None
+            assert dist.get_process_group_ranks(
+                tc.resolve_process_group(group.group_name)) == [0]
+            assert tc.resolve_process_group("no-such-group") is None
+            assert tc.process_group_name(group.boxed()) == group.group_name
+        finally:
+            if started:
+                dist.destroy_process_group()
+
+
+def test_allow_implicit_replication() -> None:
+    with api("DTensor._op_dispatcher._allow_implicit_replication"):
+        before = DTensor._op_dispatcher._allow_implicit_replication
+        try:
+            tc.allow_implicit_replication(True)
+            assert DTensor._op_dispatcher._allow_implicit_replication is True
+            tc.allow_implicit_replication(False)
+            assert DTensor._op_dispatcher._allow_implicit_replication is False
+        finally:
+            DTensor._op_dispatcher._allow_implicit_replication = before

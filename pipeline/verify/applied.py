@@ -1,0 +1,157 @@
+"""The applied path of verify: the real module parallelized with
+:func:`pipeline.apply.parallelize` and trained one step, as a user's script does.
+
+On every rank (:func:`applied_rank`): the model is built with the seeded weights,
+``parallelize(model, plan, mesh)`` applies the plan (float32 mixed precision, so the
+comparison measures sharding, not rounding), and the module's own forward, loss and
+``backward()`` run on the seeded batch, each rank computing its shard of it (the inputs
+are split into their planned placements). Checked beside the unsharded step of rank 0:
+
+* every parameter's local tensor against the plan: its local shape equals the planned
+  one, and its values are the shard ``distribute_tensor(full, mesh, planned placements)``
+  gives this rank (``same_shard``; false for a layout with the same local shape but
+  another order of shards, such as FSDP2's strided shard under tensor parallelism);
+* the loss (the DTensor loss, replicated) and every gradient (``full_tensor()``), relative
+  difference at most 1e-5;
+* the collectives counted per ``kind(mesh dims)`` during forward and backward
+  (:class:`pipeline.apply.CollectiveCounter`; a flattened FSDP2 group is ``dp+tp``),
+  beside the plan's as FSDP2 buckets them (:func:`applied_planned`);
+* each rank's parameter bytes (local shards) beside the plan's.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["applied_planned", "applied_rank", "edge_parameter"]
+
+
+def applied_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
+    """Parallelize the real model on this rank and run one step (module docstring)."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    from pipeline.apply import CollectiveCounter
+    from pipeline.apply.parallelize import parallelize
+    from pipeline.core.dtypes import itemsize
+    from pipeline.dtensor.placements import format_placements, local_shape
+    from pipeline.verify.compare import difference, reference_step
+    from pipeline.verify.models import build_real_model, real_inputs
+
+    plan = job["plan"]
+    model = build_real_model(job["model_cfg"], job["seed"])
+    inputs = real_inputs(job["model_cfg"], job["seed"])
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    report = parallelize(model, plan, mesh, nodes=job["nodes"], param_dtype="float32",
+                         reduce_dtype="float32",
+                         activation_checkpointing=job.get("activation_checkpointing", "none"))
+    named = dict(model.named_parameters())
+    placements: dict[str, Any] = {}
+    local_bytes = predicted = 0
+    for t in plan.parameters:
+        p = named[t.name]
+        planned = plan.placements(t.placement)
+        want = distribute_tensor(full[t.name], mesh, planned, src_data_rank=None).to_local()
+        local = p.to_local() if isinstance(p, DTensor) else p
+        dims = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else ()
+        placements[t.name] = {
+            "planned": t.placement,
+            "applied": (format_placements(tuple(p.placements)) + " on " + ",".join(dims or ()))
+            if isinstance(p, DTensor) else "plain tensor",
+            "local_shape": list(local.shape), "planned_local_shape": list(want.shape),
+            "same_shard": bool(local.shape == want.shape and torch.equal(local.detach(), want))}
+        local_bytes += local.numel() * local.element_size()
+        predicted += math.prod(local_shape(t.shape, planned, plan.mesh_shape)) * itemsize(t.dtype)
+    with CollectiveCounter(mesh) as counter:
+        loss = model(*inputs)
+        loss.backward()
+    counted = dict(sorted(counter.counts.items()))
+    value = loss.full_tensor() if isinstance(loss, DTensor) else loss
+    grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+             for n, p in model.named_parameters() if p.grad is not None}
+    out: dict[str, Any] = {
+        "collectives": counted, "placements": placements,
+        "parameter_bytes": int(local_bytes), "predicted_parameter_bytes": int(predicted),
+        "report": report.to_json() if rank == 0 else None}
+    if rank == 0:
+        ref_model = build_real_model(job["model_cfg"], job["seed"])
+        ref_loss, ref_grads = reference_step(ref_model, inputs)
+        out["loss"] = {"value": float(value), "reference": float(ref_loss),
+                       **difference(value.detach(), ref_loss)}
+        out["grads"] = {n: ({"missing": True} if n not in grads else
+                            {"shape": list(ref.shape), **difference(grads[n].detach(), ref)})
+                        for n, ref in ref_grads.items()}
+    del torch
+    return out
+
+
+def edge_parameter(row: Mapping[str, Any], nodes: Sequence[Any], plan: Any
+                   ) -> tuple[str | None, str]:
+    """(the parameter an edge of ``redistributions.parquet`` carries, ``weight`` or
+    ``grad``), or (None, ``activation``): a weight edge leaves the parameter's
+    placeholder or a forward op computed from it alone (its cast, its transpose); a
+    gradient edge flows, through single-use ops (the cast to the reduce dtype), only into
+    the parameter's gradient sink."""
+    by_name = {n.name: n for n in nodes}
+    by_idx = {n.idx: n for n in nodes}
+    users: dict[int, list[Any]] = collections.defaultdict(list)
+    for n in nodes:
+        for r in set(n.refs):
+            users[r].append(n)
+    node = by_name.get(str(row["producer_name"]))
+    while node is not None and node.kind != "placeholder" and len(set(node.refs)) == 1 \
+            and node.phase == "fwd":
+        node = by_idx[node.refs[0]]
+    if node is not None and node.kind == "placeholder" and node.role == "param":
+        return node.fqn, "weight"
+    consumer = str(row["consumer_name"])
+    if consumer.startswith("output:grad:"):
+        return consumer[len("output:grad:"):], "grad"
+    node = by_name.get(consumer)
+    sinks = {int(o["index"]): o for o in plan.outputs}
+    while node is not None:
+        nxt = users.get(node.idx, [])
+        if len(nxt) != 1:
+            return None, "activation"
+        if nxt[0].kind == "output":
+            flat = nxt[0].args[0] if nxt[0].args else []
+            for k, ref in enumerate(flat):
+                if isinstance(ref, dict) and ref.get("node") == node.idx and k in sinks \
+                        and sinks[k]["kind"] == "grad":
+                    return str(sinks[k]["grad_of"]), "grad"
+            return None, "activation"
+        node = nxt[0]
+    return None, "activation"
+
+
+def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], plan: Any,
+                    units: Mapping[str, str | None]) -> tuple[dict[str, int], dict[str, int]]:
+    """The plan's collectives as the applied step issues them: (parameter collectives,
+    activation collectives), each ``{kind(mesh dims): count}``.
+
+    A weight or gradient edge of a parameter FSDP2 manages (``units``: ``{fqn: unit}``)
+    is one member of its unit's bucket: one collective per (unit, kind, weight or
+    gradient) and per time it runs (``times``: 2 for a weight FSDP2 re-gathers for
+    backward), as ``fully_shard`` issues them. Every other edge counts once per
+    collective of the row."""
+    buckets: dict[tuple[str, str, str], int] = {}
+    params: collections.Counter[str] = collections.Counter()
+    activations: collections.Counter[str] = collections.Counter()
+    for row in rows:
+        names = list(row["collectives"] or ())
+        if not names:
+            continue
+        fqn, kind = edge_parameter(row, nodes, plan)
+        unit = units.get(fqn) if fqn is not None else None
+        for name in names:
+            if unit is not None:
+                key = (unit, name, kind)
+                buckets[key] = max(buckets.get(key, 0), int(row.get("times") or 1))
+            else:
+                activations[name] += 1
+    for (_, name, _), times in buckets.items():
+        params[name] += times
+    return dict(sorted(params.items())), dict(sorted(activations.items()))
