@@ -26,7 +26,7 @@ from pipeline.config.schema import (
     allowed_text,
 )
 from pipeline.core.placement_text import split_output, tokenize
-from pipeline.core.recipes import RECIPES, recipe_dim_roles
+from pipeline.core.recipes import RECIPES, check_recipe_model, recipe_dim_roles
 from pipeline.costmodel.hardware import validate_hardware
 from pipeline.memory.options import parse_bytes, validate_memory_config
 
@@ -240,8 +240,9 @@ def _check_constraints(c: Any, mesh: list[int]) -> None:
                               "(1/mesh size)")
 
 
-def _check_recipe(recipe: Any, names: list[str], c: Any) -> None:
-    """``recipe``: one of the recipes, applicable to the mesh (its dim names), and not
+def _check_recipe(recipe: Any, mesh: list[int], names: list[str], c: Any, model: Any) -> None:
+    """``recipe``: one of the recipes, applicable to the mesh (its dim names) and to the
+    model (its module roles, its batch and sequence: ``check_recipe_model``), and not
     combined with ``constraints.inputs`` (the recipe places the inputs)."""
     if recipe is None:
         return
@@ -249,6 +250,7 @@ def _check_recipe(recipe: Any, names: list[str], c: Any) -> None:
         raise ConfigError(f"recipe={_shown(recipe)}: allowed {', '.join(RECIPES)}, null")
     try:
         recipe_dim_roles(recipe, names)
+        check_recipe_model(recipe, mesh, names, model)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if c.inputs is not None:
@@ -400,7 +402,7 @@ def resolve(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"lazy_costs=true: lazy costs need solver=approx "
                           f"(got solver={out.solver.name})")
     _check_constraints(out.constraints, mesh)
-    _check_recipe(out.recipe, names, out.constraints)
+    _check_recipe(out.recipe, mesh, names, out.constraints, out.model)
     try:
         validate_memory_config(out)
     except ValueError as err:

@@ -14,6 +14,7 @@ from pipeline.core.parallel import resolve_workers
 from pipeline.stages.topology.artifacts import write_topology
 from pipeline.stages.topology.groups import group_nodes
 from pipeline.stages.topology.pins import apply_pins, parse_pins, pin_requests, recipe_of
+from pipeline.stages.topology.recipe_pins import apply_dim_pins, dim_pins
 from pipeline.stages.topology.problem import (
     StrategyTable,
     Topology,
@@ -55,6 +56,9 @@ def build_topology(nodes: list[IRNode], mesh: Any, mesh_shape: tuple[int, ...],
                            tie_repeated_layers=tie_repeated_layers)
     set_param_ratios(problem, table, mesh_shape)
     pins = apply_pins(requests, problem, table, grouping)
+    if pin_spec.recipe is not None:  # every other node the recipe fixes, per mesh dim
+        per_dim = dim_pins(pin_spec.recipe, problem, table, nodes, pin_spec.inputs)
+        pins = {**apply_dim_pins(per_dim, problem, table, grouping, len(mesh_shape)), **pins}
     return Topology(
         mesh_shape=mesh_shape, mesh_names=mesh_names, nodes=problem,
         strategy_lists=table.lists, edges=edges, group_of=grouping.group_of,
