@@ -28,6 +28,7 @@ from pipeline.config.schema import (
 from pipeline.core.placement_text import split_output, tokenize
 from pipeline.core.recipes import RECIPES, check_recipe_model, recipe_dim_roles
 from pipeline.costmodel.hardware import validate_hardware
+from pipeline.costmodel.model_parallel import MODEL_PARALLEL
 from pipeline.memory.options import parse_bytes, validate_memory_config
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -403,6 +404,9 @@ def resolve(cfg: DictConfig) -> DictConfig:
                           f"(got solver={out.solver.name})")
     _check_constraints(out.constraints, mesh)
     _check_recipe(out.recipe, mesh, names, out.constraints, out.model)
+    if out.constraints.model_parallel not in (None, *MODEL_PARALLEL):
+        raise ConfigError(f"constraints.model_parallel={_shown(out.constraints.model_parallel)}"
+                          f": allowed {', '.join(MODEL_PARALLEL)}, null")
     try:
         validate_memory_config(out)
     except ValueError as err:

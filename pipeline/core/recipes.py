@@ -156,7 +156,7 @@ def check_recipe_model(recipe: str, mesh: list[int], names: list[str], model: An
         ways *= int(mesh[d])
     batch = model.get("batch_size")
     if batch is not None and int(batch) % ways:
-        shown = "x".join(f"{names[d]}={mesh[d]}" for d in data_dims(roles))
+        shown = " x ".join(f"{names[d]}={mesh[d]}" for d in data_dims(roles))
         raise ValueError(f"model.batch_size={batch}: recipe={recipe} shards the batch over "
                          f"the data dims {shown}; allowed a multiple of {ways}")
     seq_ways = 1

@@ -31,13 +31,13 @@ from pipeline.core.recipes import recipe_dim_roles, tp_roles
 from pipeline.dtensor.placements import format_placements, parse_placements
 from pipeline.stages.topology.candidates import StrategyList
 from pipeline.stages.topology.groups import Grouping
-from pipeline.stages.topology.recipe_pins import PinRequest, RecipeContext, recipe_requests
 from pipeline.stages.topology.problem import (
     ProblemNode,
     StrategyTable,
     TopologyError,
     problem_id_of,
 )
+from pipeline.stages.topology.recipe_pins import PinRequest, RecipeContext, recipe_requests
 
 #: Roles that never take a Partial placement (a user-visible tensor is never a pending sum).
 _NO_PARTIAL_ROLES = frozenset({"param", "buffer", "input", "tangent", "grad"})

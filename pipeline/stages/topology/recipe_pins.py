@@ -207,7 +207,7 @@ def recipe_requests(ctx: RecipeContext, problem: list[ProblemNode]) -> list[PinR
         if p.role != "param" or p.target != "placeholder":
             continue
         ndim = _ndim(p.out_metas[0] if p.out_metas else None)
-        tp_dim = tp_dims.get(p.id, ("", None))[1]
+        tp_dim = tp_dims.get(p.id, ("", None))[1] if "tp" in ctx.roles else None
         tp_at = ctx.roles.index("tp") if "tp" in ctx.roles else len(ctx.roles)
         want = []
         for d, r in enumerate(ctx.roles):
@@ -328,6 +328,9 @@ def _propagate(d: int, tp: bool, ctx: RecipeContext, problem: list[ProblemNode],
                for u, _ in m.producers]
         got = [g if g is _FREE or g is _UNKNOWN or el < 0 or not isinstance(g, tuple)
                else g[el] for g, (_, el) in zip(got, m.producers, strict=True)]
+        # a 0-d tensor (a random-number state, a scalar) is whole on every rank
+        got = [_FREE if g is _UNKNOWN and _ndim(meta) == 0 else g
+               for g, meta in zip(got, m.in_metas, strict=True)]
         role = role_of[m.id]
         ks: list[int] | None = None
         if tp and (m.id in adds or (m.phase == "fwd" and role != "embedding" and any(

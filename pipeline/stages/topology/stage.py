@@ -14,7 +14,6 @@ from pipeline.core.parallel import resolve_workers
 from pipeline.stages.topology.artifacts import write_topology
 from pipeline.stages.topology.groups import group_nodes
 from pipeline.stages.topology.pins import apply_pins, parse_pins, pin_requests, recipe_of
-from pipeline.stages.topology.recipe_pins import apply_dim_pins, dim_pins
 from pipeline.stages.topology.problem import (
     StrategyTable,
     Topology,
@@ -23,6 +22,7 @@ from pipeline.stages.topology.problem import (
     problem_edges,
     set_param_ratios,
 )
+from pipeline.stages.topology.recipe_pins import apply_dim_pins, dim_pins
 from pipeline.stages.topology.strategies import StrategyEnumerator
 
 
