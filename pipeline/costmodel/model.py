@@ -159,7 +159,7 @@ class CostModel:
         if model_parallel == "intra_node":
             self.blocked_dims = cross_node_dims(self.mesh_shape, int(self.hw.gpus_per_node))
             if self.blocked_dims:
-                self.activation_edge = activation_edges(step_graph(topology))
+                self.activation_edge = activation_edges(step_graph(topology), self.in_metas)
 
     # -- classes ----------------------------------------------------------------------------
 

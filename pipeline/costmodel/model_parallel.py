@@ -12,8 +12,9 @@ Which edges carry an *activation* (the classes of pipeline/costmodel/steptime.py
 edge but the *weight* edges (out of a parameter or a forward op computed from parameters
 only: FSDP's all-gathers), the *gradient* edges (from a backward op whose values feed
 only parameter gradients, into another such op or a gradient sink: FSDP's
-reduce-scatters and all-reduces) and the edge into the loss sink (the reduction of the
-scalar loss). On an activation edge, a pair of placements whose redistribution runs a
+reduce-scatters and all-reduces), the edge into the loss sink and every edge of a 0-d
+tensor (the loss and the count of its tokens: the all-reduce of a scalar that any
+data-parallel plan runs). On an activation edge, a pair of placements whose redistribution runs a
 collective on a cross-node mesh dim is ``+inf`` in the edge table: the placement changes
 on that mesh dim from anything but Replicate (``Replicate -> Shard`` and ``Replicate ->
 Partial`` are local; DTensor redistributes mesh dim by mesh dim, so an unchanged mesh
@@ -44,9 +45,10 @@ def cross_node_dims(mesh_shape: tuple[int, ...], gpus_per_node: int) -> frozense
                      and mesh_dim_link(mesh_shape, d, gpus_per_node) == "inter")
 
 
-def activation_edges(graph: Any) -> np.ndarray:
+def activation_edges(graph: Any, in_metas: list) -> np.ndarray:
     """Per graph edge, whether it carries an activation (module docstring). ``graph``:
-    the :class:`pipeline.memory.graph.StepGraph` of the topology."""
+    the :class:`pipeline.memory.graph.StepGraph` of the topology; ``in_metas``: per node,
+    its tensor arguments' metadata (``shape``)."""
     n = graph.num_nodes
     outs: list[list[int]] = [[] for _ in range(n)]
     for u, _, v, _ in graph.edges:
@@ -60,8 +62,10 @@ def activation_edges(graph: Any) -> np.ndarray:
             continue
         grad_only[v] = all(grad_sink[c] or grad_only[c] for c in outs[v])
     out = np.ones(len(graph.edges), dtype=bool)
-    for e, (u, _, v, _) in enumerate(graph.edges):
+    for e, (u, _, v, a) in enumerate(graph.edges):
+        meta = in_metas[v][a] if a < len(in_metas[v]) else None
         if param[u] or graph.weight_derived[u] or graph.is_sink[v] \
+                or not (meta or {}).get("shape") \
                 or (grad_only[u] and (grad_only[v] or grad_sink[v])):
             out[e] = False
     return out

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from plan_facts import weight_derived
 
 from pipeline.core.recipes import RECIPES, recipe_dim_roles
 
@@ -220,19 +221,6 @@ MEGATRON_SP = {"fwd": {"all_gather": 2, "reduce_scatter": 2},
                "bwd": {"all_gather": 2, "reduce_scatter": 2}}
 
 
-def _weight_derived(nodes: list[dict]) -> set[str]:
-    """Names of the parameters and the ops computed from parameters only."""
-    from pipeline.core.ir import TENSOR_REF_RE
-
-    by_idx = {n["graph_idx"]: n for n in nodes if n["graph_idx"] is not None}
-    out = {n["name"] for n in nodes if n["role"] == "param" and n["target"] == "placeholder"}
-    for n in nodes:
-        refs = [by_idx[int(i)]["name"] for i in TENSOR_REF_RE.findall(n["args"] or "")]
-        if n["target"] not in ("placeholder", "output") and refs and set(refs) <= out:
-            out.add(n["name"])
-    return out
-
-
 @pytest.mark.toy_runs(*TP_RUNS)
 @pytest.mark.parametrize("overrides", TP_RUNS, ids=lambda o: o[0].split("=")[1])
 def test_fsdp_tp_is_megatron_sp(toy_results: object, overrides: tuple[str, ...]) -> None:
@@ -245,7 +233,7 @@ def test_fsdp_tp_is_megatron_sp(toy_results: object, overrides: tuple[str, ...])
     nodes = pq.read_table(Path(run.dirs.topology) / "nodes.parquet").to_pylist()
     layer = {n["name"]: n["layer"] for n in nodes}
     phase = {n["name"]: n["phase"] for n in nodes}
-    weights = _weight_derived(nodes)
+    weights = weight_derived(nodes)
     rows = pq.read_table(Path(run.dirs.solve) / "redistributions.parquet").to_pylist()
     per_layer: dict[tuple[str, str], dict[str, int]] = {}
     norm_grads: dict[str, int] = {}
