@@ -28,7 +28,7 @@ from pipeline.config.schema import (
 from pipeline.core.placement_text import split_output, tokenize
 from pipeline.core.recipes import RECIPES, check_recipe_model, recipe_dim_roles
 from pipeline.costmodel.hardware import validate_hardware
-from pipeline.costmodel.model_parallel import MODEL_PARALLEL
+from pipeline.costmodel.model_parallel import MODEL_PARALLEL, cross_node_dims
 from pipeline.memory.options import parse_bytes, validate_memory_config
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -259,6 +259,19 @@ def _check_recipe(recipe: Any, mesh: list[int], names: list[str], c: Any, model:
                           "the inputs itself; allowed null with a recipe")
 
 
+def _check_recipe_intra_node(recipe: str, mesh: list[int], names: list[str],
+                             gpus_per_node: int) -> None:
+    """``constraints.model_parallel=intra_node`` with a recipe that runs model parallelism
+    (``tp``, ``cp``) on a mesh dim crossing nodes has no plan: refused here."""
+    crossing = cross_node_dims(tuple(mesh), gpus_per_node)
+    for d, role in enumerate(recipe_dim_roles(recipe, names)):
+        if role in ("tp", "cp") and d in crossing:
+            raise ConfigError(f"constraints.model_parallel=intra_node: recipe={recipe} runs "
+                              f"{role} on mesh dim {names[d]}={mesh[d]}, whose groups span "
+                              f"nodes of hardware.gpus_per_node={gpus_per_node}; allowed a "
+                              f"mesh whose {names[d]} dim stays in one node, or null")
+
+
 def check_finite(node: Any, prefix: str = "") -> None:
     """Refuse a non-finite number (``inf``, ``-inf``, ``nan``) anywhere in a config.
 
@@ -407,6 +420,8 @@ def resolve(cfg: DictConfig) -> DictConfig:
     if out.constraints.model_parallel not in (None, *MODEL_PARALLEL):
         raise ConfigError(f"constraints.model_parallel={_shown(out.constraints.model_parallel)}"
                           f": allowed {', '.join(MODEL_PARALLEL)}, null")
+    if out.constraints.model_parallel == "intra_node" and out.recipe is not None:
+        _check_recipe_intra_node(out.recipe, mesh, names, int(out.hardware.gpus_per_node))
     try:
         validate_memory_config(out)
     except ValueError as err:
