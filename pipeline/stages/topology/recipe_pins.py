@@ -27,10 +27,12 @@ textbook plan. Its pins come in two parts:
      outside the norm read, ``R`` (the all-gather of the sequence before the
      column-parallel matmuls: one per norm, however many linears read it, as
      torchtitan's ``PrepareModuleInput``); the backward of a norm reads its activation
-     inputs (2-D and up) ``S(1)`` (the reduce-scatter of the column-parallel input
-     gradients, ``Partial``, into the sequence shard); the backward of a row-parallel
-     linear that finds no zero-communication strategy takes its output gradient ``R``
-     (the all-gather of the sequence). Everything between follows by propagation:
+     inputs (2-D and up, more than one position) ``S(1)`` (the reduce-scatter of the
+     column-parallel input gradients, ``Partial``, into the sequence shard; a reduced
+     weight gradient, one position long, is not); the backward of a row-parallel
+     linear reads its output gradient from outside the module ``R`` (the all-gather of
+     the sequence); the embedding's output enters the residual stream ``S(1)`` (its
+     ``Partial`` reduce-scattered). Everything between follows by propagation:
      column-parallel outputs shard their features, attention shards its heads, a
      row-parallel matmul outputs ``Partial``, and in backward the column-parallel input
      gradients are ``Partial`` and summed as such. Per layer that is, forward, 2
@@ -49,6 +51,11 @@ textbook plan. Its pins come in two parts:
 
    A node whose producers are not all known, or that has no zero-communication
    strategy and no anchor (the loss, the embedding's backward), is left to the solver.
+   The cost model pays a redistribution per edge, so a ``Partial`` tensor read by two
+   nodes that both anchor ``S(1)`` is reduce-scattered twice: none in the ``llama``
+   family; in Hugging Face LLaMA-style models, whose decomposed norm backward reads the
+   gradient twice and whose embedding output feeds the first norm and the first
+   residual add, 2 reduce-scatters per norm backward and one more in the first layer.
 """
 
 from __future__ import annotations
@@ -111,6 +118,13 @@ def _consumers(problem: list[ProblemNode]) -> dict[int, list[tuple[int, int]]]:
         for a, (u, _) in enumerate(m.producers):
             out.setdefault(u, []).append((m.id, a))
     return out
+
+
+def _has_sequence(meta: Any) -> bool:
+    """Whether a tensor is an activation with a sequence dim (``[batch, seq, ...]``, more
+    than one position), what a norm's backward reads on the sequence shard."""
+    shape = (meta or {}).get("shape", ()) if isinstance(meta, dict) else ()
+    return len(shape) >= 2 and shape[1] > 1
 
 
 def _ndim(meta: Any) -> int:
@@ -346,7 +360,7 @@ def _propagate(d: int, tp: bool, ctx: RecipeContext, problem: list[ProblemNode],
                 for c, _ in consumers.get(m.id, [])):
             ks = [k for k, o in enumerate(strategies.outputs) if _proj(o, d) == Replicate()]
         elif tp and role == "norm" and m.phase == "bwd":
-            want = [Shard(1) if _ndim(meta) >= 2 else (_FREE if g is _UNKNOWN else g)
+            want = [Shard(1) if _has_sequence(meta) else (_FREE if g is _UNKNOWN else g)
                     for meta, g in zip(m.in_metas, got, strict=True)]
             ks = _matching(strategies, want, d)
         elif all(g is not _UNKNOWN for g in got):
