@@ -47,16 +47,19 @@ def config_hash(obj: Any) -> str:
 #: hash of exactly these (its artifacts: pipeline/core/artifacts.py).
 #: ``constraints.device_memory`` is a costs key (it shapes the MRF's rows, not the
 #: topology): it is left out of ``constraints`` and enters as ``device_memory`` at the
-#: costs level with the memory model's keys (``optimizer``, ``memory``, ``fsdp``).
+#: costs level with the memory model's keys (``optimizer``, ``memory``, ``fsdp``);
+#: ``constraints.model_parallel`` likewise (``+inf`` factors of the MRF), as
+#: ``model_parallel``.
 STAGE_KEYS: dict[str, tuple[str, ...]] = {
     "trace": ("model",),
     "topology": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "recipe"),
     "costs": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "recipe",
               "hardware", "lazy_costs", "optimizer", "memory", "fsdp", "device_memory",
-              "costs"),
+              "costs", "model_parallel"),
     "solve": ("model", "mesh", "mesh_names", "constraints", "repeated_layers", "recipe",
               "hardware",
               "lazy_costs", "optimizer", "memory", "fsdp", "device_memory", "costs",
+              "model_parallel",
               "solver", "optimality_check"),
     "report": ("results_dir",),
 }
@@ -69,6 +72,7 @@ MEMORY_KEY_DEFAULTS: dict[str, Any] = {
     "memory": {"activation_checkpointing": "none", "reserve_fraction": RESERVE_FRACTION},
     "fsdp": {"reshard_after_forward": True, "bucket_collectives": True},
     "device_memory": None,
+    "model_parallel": None,
     # the cost-model options (``costs.*``), likewise
     "costs": {"compile": False, "fuse_pointwise": True, "flatten_mesh": True},
 }
@@ -95,11 +99,13 @@ def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
     for k in STAGE_KEYS[stage]:
         if k in OPTIONAL_KEY_DEFAULTS and cfg.get(k) == OPTIONAL_KEY_DEFAULTS[k]:
             continue
-        value = cfg.constraints.get("device_memory") if k == "device_memory" else cfg[k]
+        value = (cfg.constraints.get(k) if k in ("device_memory", "model_parallel")
+                 else cfg[k])
         if isinstance(value, (DictConfig, ListConfig)):
             value = OmegaConf.to_container(value, resolve=True)
         if k == "constraints":
-            value = {c: v for c, v in value.items() if c != "device_memory"}
+            value = {c: v for c, v in value.items()
+                     if c not in ("device_memory", "model_parallel")}
         if k == "model" and value.get("microbatches") == 1:  # the default keeps its key
             value = {c: v for c, v in value.items() if c != "microbatches"}
         if k == "solver":  # a guard on the problem's size, not a result-shaping key

@@ -134,6 +134,9 @@ class ConstraintsConfig:
         device_memory: bytes one device may hold (``80GiB``, ``80GB``, a byte count;
             ``None``: no bound; pipeline/memory/constraint.py). A key of the costs stage
             (the MRF's rows), not of the topology's.
+        model_parallel: ``intra_node``: activation collectives only on mesh dims whose
+            groups stay inside one node (``+inf`` factors otherwise,
+            pipeline/costmodel/model_parallel.py); ``None``: anywhere. A costs key.
     """
 
     inputs: str | None = None
@@ -142,6 +145,7 @@ class ConstraintsConfig:
     param_memory: ParamMemoryConfig | None = field(default_factory=ParamMemoryConfig)
     fwd_bwd_consistency: bool = True
     device_memory: Any = None
+    model_parallel: str | None = None
 
 
 @dataclass

@@ -37,8 +37,9 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
     """
     keys = dict(stage_keys(cfg, stage))
     keys["results_dir"] = cfg.results_dir
-    if "device_memory" in keys:  # the stage key's short name for the constraint
-        keys["constraints.device_memory"] = keys.pop("device_memory")
+    for short in ("device_memory", "model_parallel"):  # stage keys' short names
+        if short in keys:
+            keys[f"constraints.{short}"] = keys.pop(short)
     out = []
     if "model" in keys:  # start from the family's own defaults (model=hf, model=custom)
         base = model_families.base_option(model_families.family_of(keys["model"]))

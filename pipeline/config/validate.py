@@ -28,8 +28,9 @@ from pipeline.config.schema import (
     allowed_text,
 )
 from pipeline.core.placement_text import split_output, tokenize
-from pipeline.core.recipes import RECIPES, recipe_dim_roles
+from pipeline.core.recipes import RECIPES, check_recipe_model, recipe_dim_roles
 from pipeline.costmodel.hardware import validate_hardware
+from pipeline.costmodel.model_parallel import MODEL_PARALLEL, cross_node_dims
 from pipeline.memory.options import parse_bytes, validate_memory_config
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -245,8 +246,9 @@ def _check_constraints(c: Any, mesh: list[int]) -> None:
                               "(1/mesh size)")
 
 
-def _check_recipe(recipe: Any, names: list[str], c: Any) -> None:
-    """``recipe``: one of the recipes, applicable to the mesh (its dim names), and not
+def _check_recipe(recipe: Any, mesh: list[int], names: list[str], c: Any, model: Any) -> None:
+    """``recipe``: one of the recipes, applicable to the mesh (its dim names) and to the
+    model (its module roles, its batch and sequence: ``check_recipe_model``), and not
     combined with ``constraints.inputs`` (the recipe places the inputs)."""
     if recipe is None:
         return
@@ -254,11 +256,25 @@ def _check_recipe(recipe: Any, names: list[str], c: Any) -> None:
         raise ConfigError(f"recipe={_shown(recipe)}: allowed {', '.join(RECIPES)}, null")
     try:
         recipe_dim_roles(recipe, names)
+        check_recipe_model(recipe, mesh, names, model)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if c.inputs is not None:
         raise ConfigError(f"constraints.inputs={_shown(c.inputs)}: recipe={recipe} places "
                           "the inputs itself; allowed null with a recipe")
+
+
+def _check_recipe_intra_node(recipe: str, mesh: list[int], names: list[str],
+                             gpus_per_node: int) -> None:
+    """``constraints.model_parallel=intra_node`` with a recipe that runs model parallelism
+    (``tp``, ``cp``) on a mesh dim crossing nodes has no plan: refused here."""
+    crossing = cross_node_dims(tuple(mesh), gpus_per_node)
+    for d, role in enumerate(recipe_dim_roles(recipe, names)):
+        if role in ("tp", "cp") and d in crossing:
+            raise ConfigError(f"constraints.model_parallel=intra_node: recipe={recipe} runs "
+                              f"{role} on mesh dim {names[d]}={mesh[d]}, whose groups span "
+                              f"nodes of hardware.gpus_per_node={gpus_per_node}; allowed a "
+                              f"mesh whose {names[d]} dim stays in one node, or null")
 
 
 def check_finite(node: Any, prefix: str = "") -> None:
@@ -412,7 +428,12 @@ def resolve(cfg: DictConfig) -> DictConfig:
         raise ConfigError(f"lazy_costs=true: lazy costs need solver=approx "
                           f"(got solver={out.solver.name})")
     _check_constraints(out.constraints, mesh)
-    _check_recipe(out.recipe, names, out.constraints)
+    _check_recipe(out.recipe, mesh, names, out.constraints, out.model)
+    if out.constraints.model_parallel not in (None, *MODEL_PARALLEL):
+        raise ConfigError(f"constraints.model_parallel={_shown(out.constraints.model_parallel)}"
+                          f": allowed {', '.join(MODEL_PARALLEL)}, null")
+    if out.constraints.model_parallel == "intra_node" and out.recipe is not None:
+        _check_recipe_intra_node(out.recipe, mesh, names, int(out.hardware.gpus_per_node))
     pipeline_microbatches, split = resolve_pipeline(out, mesh, names)
     try:
         validate_memory_config(out)

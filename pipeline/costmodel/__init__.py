@@ -17,6 +17,8 @@ module             job
 ``op_comm``        collectives a strategy issues inside its op (vocab-parallel
                    softmax)
 ``fusion``         the pointwise-fusion term of elementwise edges
+``model_parallel`` ``constraints.model_parallel``: which edges carry activations, +inf
+                   on their collectives over cross-node mesh dims
 ``fsdp``           FSDP2's collective semantics per edge: buckets, re-gather, reduce
                    dtype
 ``breakdown``      a plan's objective split per node and per edge (run record)

@@ -51,6 +51,12 @@ from pipeline.costmodel.compute import is_view_op, op_flops, roofline_us
 from pipeline.costmodel.fsdp import edge_policy
 from pipeline.costmodel.fusion import PointwiseFusion
 from pipeline.costmodel.hardware import as_hardware
+from pipeline.costmodel.model_parallel import (
+    activation_edges,
+    blocked_pairs,
+    cross_node_dims,
+    op_comm_blocked,
+)
 from pipeline.costmodel.op_comm import SOFTMAX_ALL_REDUCES, op_collectives, op_comm_us
 from pipeline.costmodel.redistribute import placements_differ, redistribute_table
 from pipeline.dtensor.placements import local_shape, parse_output, parse_placements
@@ -92,12 +98,15 @@ class CostModel:
             reduce dtype); None: every collective as DTensor issues it alone.
         fuse_pointwise: add the pointwise-fusion term to the edge tables
             (pipeline/costmodel/fusion.py; ``costs.fuse_pointwise``).
+        model_parallel: ``constraints.model_parallel``: ``intra_node`` makes every
+            activation collective on a mesh dim that crosses nodes ``+inf``
+            (pipeline/costmodel/model_parallel.py); None: no restriction.
     """
 
     def __init__(self, topology: Any, hw: Any, memoise: bool,
                  recompute: tuple[np.ndarray, np.ndarray] | None = None,
                  collectives: Any = None,
-                 fuse_pointwise: bool = False):
+                 fuse_pointwise: bool = False, model_parallel: str | None = None):
         self.topology = topology
         self.hw = as_hardware(hw)  # plain attributes: the compute model reads them per op
         self.memoise = memoise
@@ -145,6 +154,12 @@ class CostModel:
             # a re-gathered weight edge is paid twice; recomputation reads that copy
             self.edge_times = np.maximum(self.edge_times,
                                          1 + self.policy.regather.astype(np.int64))
+        self.blocked_dims: frozenset[int] = frozenset()
+        self.activation_edge: np.ndarray | None = None
+        if model_parallel == "intra_node":
+            self.blocked_dims = cross_node_dims(self.mesh_shape, int(self.hw.gpus_per_node))
+            if self.blocked_dims:
+                self.activation_edge = activation_edges(step_graph(topology), self.in_metas)
 
     # -- classes ----------------------------------------------------------------------------
 
@@ -195,6 +210,8 @@ class CostModel:
             op_comm = self._op_comm_uncached(node)
             if op_comm is not None:  # collectives inside the op (vocab-parallel softmax)
                 hit = hit + op_comm
+                if self.blocked_dims:  # constraints.model_parallel
+                    hit = np.where(self._op_comm_blocked(node), np.inf, hit)
             self._unary_memo[key] = hit
             self._op_comm_memo[key] = op_comm
             self.stats.unary_vectors += 1
@@ -240,6 +257,22 @@ class CostModel:
                 cost = memo[i[0]] = op_comm_us(coll, self.mesh_shape, self.hw)
             costs[k] = cost
         return costs if costs.any() else None
+
+    def _op_comm_blocked(self, node: int) -> np.ndarray:
+        """Per strategy, whether its in-op collectives use a cross-node mesh dim that
+        ``constraints.model_parallel`` forbids (pipeline/costmodel/model_parallel.py)."""
+        s = self.slist[node]
+        target = self.target[node]
+        args = json.loads(self.args[node])
+        in_meta = self.in_metas[node][0]
+        size = itemsize(next(m for m in self.out_metas[node] if m)["dtype"])
+        out = np.zeros(len(self.topology.slist_outputs[s]), dtype=bool)
+        for k, i in enumerate(self.topology.slist_inputs[s]):
+            pl = parse_placements(i[0], self.ndim)
+            coll = op_collectives(target, args, in_meta["shape"], pl,
+                                  local_shape(in_meta["shape"], pl, self.mesh_shape), size)
+            out[k] = op_comm_blocked(coll, self.blocked_dims)
+        return out
 
     def _unary_uncached(self, node: int) -> np.ndarray:
         s = self.slist[node]
@@ -299,7 +332,8 @@ class CostModel:
         u, element, v, a = self.edges[e]
         meta = self.in_metas[v][a]
         key = (tuple(meta["shape"]), meta["dtype"], self.slist[u], element, self.slist[v], a,
-               int(self.edge_times[e]), self.edge_collective_policy(e))
+               int(self.edge_times[e]), self.edge_collective_policy(e),
+               self.activation_edge is not None and bool(self.activation_edge[e]))
         # pointwise fusion: what its term depends on beyond this key
         return key if self.fusion is None else key + self.fusion.edge_key(e)
 
@@ -352,6 +386,9 @@ class CostModel:
                 table = table * times
             differ = placements_differ(srcs, dsts)
             table = table + np.where(differ, TRANSITION_COST, 0.0)
+            if self.activation_edge is not None and self.activation_edge[e]:
+                # constraints.model_parallel=intra_node (pipeline/costmodel/model_parallel.py)
+                table = np.where(blocked_pairs(srcs, dsts, self.blocked_dims), np.inf, table)
             # ---- pointwise fusion (pipeline/costmodel/fusion.py): its term, one call ----
             if self.fusion is not None:
                 table = self.fusion.add_term(e, table, srcs, dsts)

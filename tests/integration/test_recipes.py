@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from plan_facts import weight_derived
 
 from pipeline.core.recipes import RECIPES, recipe_dim_roles
 
@@ -40,7 +41,10 @@ def _short(fqn: str) -> str:
 
 def _promised(recipe: str) -> tuple[dict[str, str], str, str | None]:
     """(placement per parameter, inputs placement, residual-add placement) on (dp, tp)
-    [(dp, cp, tp) for fsdp_tp_cp], written out by hand from the recipe's definition."""
+    [(dp, cp, tp) for fsdp_tp_cp], written out by hand from the recipe's definition.
+    With tp, a matrix sharded on dim 0 over tp is sharded on dim 1 over the data dims
+    before it (FSDP2 shards the TP-local tensor: the same bytes per rank, gathered over
+    the data dims only; S(0) on dp would nest outside tp's S(0))."""
     every = COLUMN + ROW + NORMS + EMBEDDING
     if recipe == "ddp":
         return {p: "RR" for p in every}, "S(0)S(0)", "S(0)S(0)"
@@ -49,10 +53,10 @@ def _promised(recipe: str) -> tuple[dict[str, str], str, str | None]:
     if recipe == "hsdp":
         return {p: "RS(0)" for p in every}, "S(0)S(0)", "S(0)S(0)"
     if recipe == "fsdp_tp":
-        return ({**{p: "S(0)S(0)" for p in COLUMN + EMBEDDING}, **{p: "S(0)S(1)" for p in ROW},
+        return ({**{p: "S(1)S(0)" for p in COLUMN + EMBEDDING}, **{p: "S(0)S(1)" for p in ROW},
                  **{p: "S(0)R" for p in NORMS}}, "S(0)R", "S(0)S(1)")
     assert recipe == "fsdp_tp_cp"
-    return ({**{p: "S(0)S(0)S(0)" for p in COLUMN + EMBEDDING},
+    return ({**{p: "S(1)S(1)S(0)" for p in COLUMN + EMBEDDING},
              **{p: "S(0)S(0)S(1)" for p in ROW}, **{p: "S(0)S(0)R" for p in NORMS}},
             "S(0)S(1)R", "S(0)S(1)S(1)")
 
@@ -93,11 +97,12 @@ def test_recipe_placements(toy_results: object, overrides: tuple[str, ...]) -> N
     assert got == {p: {want} for p, want in params.items()}
     assert grads == got
     pins = json.loads((Path(run.dirs.topology) / "topology.json").read_text())["pins"]
-    adds = {n: p for n, p in pins.items() if n.startswith("add")}
-    assert len(adds) == 4 and set(adds.values()) == {residual}
-    for row in run.plan:
-        if row["name"] in adds:
-            assert row["op"] == "aten.add.Tensor" and row["output_placement"] == residual
+    module = dict(zip(*pq.read_table(Path(run.dirs.trace) / "graph.parquet",
+                                     columns=["name", "module_path"]).to_pydict().values()))
+    adds = [r for r in run.plan if r["op"] == "aten.add.Tensor" and r["phase"] == "fwd"
+            and r["layer"] is not None and module[r["name"]] == r["layer"]]  # the skips
+    assert len(adds) == 4
+    assert {r["output_placement"] for r in adds} == {pins[r["name"]] for r in adds} == {residual}
     assert run.record["recipe"] == recipe
     if overrides[0] == "mesh=2x4":
         free_run = FREE if inputs == "S(0)R" else FREE_DATA
@@ -223,3 +228,51 @@ def test_plans_table() -> None:
     assert list(plans_table(runs, 0.1)["rank"]) == ["1", "2", "3", "1"]
     assert list(plans_table(runs, 0.15)["rank"]) == ["1", "2 (tie)", "2 (tie)", "1"]
     assert list(plans_table(runs, 0.2)["rank"]) == ["1 (tie)", "1 (tie)", "3", "1"]
+
+
+TP_RUNS = (("mesh=2x2", "mesh_names=[dp,tp]", "recipe=fsdp_tp"),
+           ("mesh=2x2x2", "mesh_names=[dp,cp,tp]", "recipe=fsdp_tp"))
+#: Megatron-LM tensor parallelism with sequence parallelism, per transformer layer and
+#: direction, on the tp group (Korthikanti et al. 2022, "Reducing Activation Recomputation
+#: in Large Transformer Models", sec. 4.2.2 and Fig. 5: g / g-bar are an all-gather before
+#: the attention and the MLP and a reduce-scatter after each; backward swaps them, "four
+#: all-gathers and four reduce-scatters" per layer in all).
+MEGATRON_SP = {"fwd": {"all_gather": 2, "reduce_scatter": 2},
+               "bwd": {"all_gather": 2, "reduce_scatter": 2}}
+
+
+@pytest.mark.toy_runs(*TP_RUNS)
+@pytest.mark.parametrize("overrides", TP_RUNS, ids=lambda o: o[0].split("=")[1])
+def test_fsdp_tp_is_megatron_sp(toy_results: object, overrides: tuple[str, ...]) -> None:
+    """recipe=fsdp_tp on toy: counted from redistributions.parquet, the collectives over
+    tp (alone or in a flattened group) per layer and direction are Megatron-SP's; the
+    only other ones on tp in a layer are the all-reduces of the two norm weights'
+    gradients (their inputs are sequence-sharded); no all-to-all on tp anywhere; no
+    weight is all-gathered over tp (tensor-parallel weights stay sharded in compute)."""
+    run = toy_results.run(*overrides)  # type: ignore[attr-defined]
+    nodes = pq.read_table(Path(run.dirs.topology) / "nodes.parquet").to_pylist()
+    layer = {n["name"]: n["layer"] for n in nodes}
+    phase = {n["name"]: n["phase"] for n in nodes}
+    weights = weight_derived(nodes)
+    rows = pq.read_table(Path(run.dirs.solve) / "redistributions.parquet").to_pylist()
+    per_layer: dict[tuple[str, str], dict[str, int]] = {}
+    norm_grads: dict[str, int] = {}
+    for row in rows:
+        for coll in row["collectives"]:
+            kind, group = coll.rstrip(")").split("(")
+            if "tp" not in group.split("+"):
+                continue
+            assert kind != "all_to_all", row
+            assert not (kind == "all_gather" and row["producer_name"] in weights), row
+            where = layer[row["consumer_name"]]
+            if where is None:
+                continue
+            if row["consumer_name"].startswith("output:grad:"):
+                assert kind == "all_reduce" and "norm" in row["consumer_name"], row
+                norm_grads[where] = norm_grads.get(where, 0) + 1
+                continue
+            counts = per_layer.setdefault((where, phase[row["consumer_name"]]), {})
+            counts[kind] = counts.get(kind, 0) + 1
+    assert per_layer == {(f"layers.{i}", d): MEGATRON_SP[d] for i in (0, 1)
+                         for d in ("fwd", "bwd")}
+    assert norm_grads == {"layers.0": 2, "layers.1": 2}

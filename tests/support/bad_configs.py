@@ -59,4 +59,28 @@ BAD_CASES = [
      "costs.compile=maybe: allowed true, false"),
     ("bool-2", ["repeated_layers=2"], ["repeated_layers=2"],
      "repeated_layers=2: allowed true, false"),
+    # recipes (pipeline/core/recipes.py) and constraints.model_parallel (issue #24)
+    ("recipe-no-tp", ["model=toy", "mesh=2x4", "mesh_names=[dp,cp]", "recipe=fsdp_tp"],
+     ["model=toy", "mesh=2,4", "mesh_names=[dp,cp]", "recipe=fsdp_tp"],
+     "recipe=fsdp_tp: needs mesh dims named tp and at least one data dim; got "
+     "mesh_names=[dp,cp]"),
+    ("recipe-no-roles", ["model=hf/mixtral", "mesh=2x4", "recipe=fsdp_tp"],
+     ["model=hf/mixtral", "mesh=2,4", "recipe=fsdp_tp"],
+     "recipe=fsdp_tp: model=mixtral (hf:mixtral) has no tensor-parallel module roles; "
+     "allowed for llama, hf:llama, hf:qwen2, hf:mistral, or recipe ddp, fsdp, hsdp"),
+    ("model-parallel-sideways", ["constraints.model_parallel=sideways"],
+     ["overrides=constraints.model_parallel=sideways"],
+     "constraints.model_parallel=sideways: allowed intra_node, null"),
+    ("recipe-tp-across-nodes", ["model=toy", "mesh=2x4", "recipe=fsdp_tp",
+                                "hardware.gpus_per_node=2",
+                                "constraints.model_parallel=intra_node"],
+     ["model=toy", "mesh=2,4", "recipe=fsdp_tp",
+      "overrides=hardware.gpus_per_node=2 constraints.model_parallel=intra_node"],
+     "constraints.model_parallel=intra_node: recipe=fsdp_tp runs tp on mesh dim tp=4, whose "
+     "groups span nodes of hardware.gpus_per_node=2; allowed a mesh whose tp dim stays in "
+     "one node, or null"),
+    ("recipe-batch", ["model=toy", "model.batch_size=6", "mesh=2x4", "recipe=ddp"],
+     ["model=toy", "mesh=2,4", "recipe=ddp", "overrides=model.batch_size=6"],
+     "model.batch_size=6: recipe=ddp shards the batch over the data dims dp=2 x tp=4; "
+     "allowed a multiple of 8"),
 ]

@@ -88,6 +88,7 @@ class Costs:
     memory: Any = None
     collectives: Any = None
     fuse_pointwise: bool = False
+    model_parallel: str | None = None  # constraints.model_parallel
 
     def cost_model(self) -> CostModel:
         """The cost model to explain a plan with (pipeline/costmodel/breakdown.py): lazy, the one
@@ -98,7 +99,8 @@ class Costs:
         recompute = self.memory.recompute() if self.memory is not None else None
         return CostModel(self.topology, self.hardware, memoise=True, recompute=recompute,
                          collectives=self.collectives,
-                         fuse_pointwise=self.fuse_pointwise)
+                         fuse_pointwise=self.fuse_pointwise,
+                         model_parallel=self.model_parallel)
 
     def factor_counts(self) -> dict[str, int | None]:
         """Unary vectors, edge tables and group factors materialised, and their total:
@@ -119,7 +121,8 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
               param_memory: dict[str, Any] | None = None, memory: Any = None,
               device_memory: tuple[int | None, str | None] = (None, None),
               collectives: Any = None,
-              fuse_pointwise: bool = False, workers: int = 1) -> Costs:
+              fuse_pointwise: bool = False, workers: int = 1,
+              model_parallel: str | None = None) -> Costs:
     """The complete group MRF of a topology; lazy leaves pairwise factors to first use.
 
     ``param_memory``: ``constraints.param_memory`` as plain data (``{low, high}``), or
@@ -130,6 +133,8 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
     ``collectives``: the :class:`~pipeline.costmodel.fsdp.CollectiveOptions` (FSDP2
     buckets, re-gather, reduce dtype), or None for DTensor's one collective per tensor.
     ``fuse_pointwise``: the pointwise-fusion term (``costs.fuse_pointwise``).
+    ``model_parallel``: ``constraints.model_parallel`` (``intra_node``: +inf on activation
+    collectives over cross-node mesh dims, pipeline/costmodel/model_parallel.py).
     ``workers``: processes that build the factors of eager costs (pipeline/core/parallel.py).
 
     Raises:
@@ -144,7 +149,7 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
     cost_model = CostModel(topology, hw, memoise=lazy,
                            recompute=model.recompute() if model is not None else None,
                            collectives=collectives,
-                           fuse_pointwise=fuse_pointwise)
+                           fuse_pointwise=fuse_pointwise, model_parallel=model_parallel)
     provider = FactorProvider(cost_model, groups)
     mrf = MRF(domain_sizes=groups.domain.copy(), unary=provider.unaries(),
               edges=groups.edges.copy(), factor=provider.factor,
@@ -168,7 +173,7 @@ def build_mrf(topology: TopologyTables, hw: Any, lazy: bool,
     if not lazy:
         provider.materialise_all(workers)
     return Costs(mrf, budget, provider, topology, hw, memory=model, collectives=collectives,
-                 fuse_pointwise=fuse_pointwise)
+                 fuse_pointwise=fuse_pointwise, model_parallel=model_parallel)
 
 
 def memory_config(cfg: Any) -> dict[str, Any]:
@@ -176,7 +181,8 @@ def memory_config(cfg: Any) -> dict[str, Any]:
     ``memory`` (optimizer, checkpointing, FSDP resharding), ``device_memory`` and
     ``collectives`` (FSDP2's buckets, re-gather and reduce dtype)."""
     return {"memory": options_of_config(cfg), "device_memory": device_memory_of_config(cfg),
-            "collectives": collective_options_of_config(cfg)}
+            "collectives": collective_options_of_config(cfg),
+            "model_parallel": cfg.constraints.get("model_parallel")}
 
 
 def load_costs(cfg: Any, topology: TopologyTables, costs_dir: Path) -> Costs:
@@ -199,7 +205,8 @@ def load_costs(cfg: Any, topology: TopologyTables, costs_dir: Path) -> Costs:
                              *mem["device_memory"])
         costs = Costs(mrf, budget, None, topology, cfg.hardware, memory=model,
                       collectives=mem["collectives"],
-                      fuse_pointwise=fuse_pointwise_config(cfg))
+                      fuse_pointwise=fuse_pointwise_config(cfg),
+                      model_parallel=mem["model_parallel"])
     costs.record = record
     return costs
 

@@ -20,6 +20,8 @@ module                job
                       shared between them, edges
 ``groups``            fwd/bwd twins and the copies of repeated layers (structural hash)
 ``pins``              ``constraints.inputs`` / ``outputs`` / ``nodes`` applied to groups
+``recipe_pins``       a recipe's pins: parameters, residual stream, and per mesh dim every
+                      node the textbook plan fixes (module roles, propagation, anchors)
 ``artifacts``         ``nodes.parquet``, ``strategies.parquet``, ``edges.parquet``,
                       ``topology.json``: written and read back
 ``stage``             :func:`build_topology` (the steps in order) and :func:`run_topology`

@@ -13,43 +13,21 @@ Keys of ``constraints`` read here (docs/config.md):
 A pin restricts a whole group to the labels where the pinned member has the
 placement, so every member keeps the same label indexing and ties survive.
 
-Recipes (config ``recipe``): the standard hand-written plans, torchtitan-style
-(``torchtitan/models/llama3/infra/parallelize.py``: ``apply_fsdp``, ``apply_tp``),
-expressed as pins so that any run can be compared with them under the same cost model.
-Each mesh dim gets a role, ``replicate``, ``shard``, ``tp`` or ``cp``
-(:func:`pipeline.core.recipes.recipe_dim_roles`, which has the table of the recipes).
-
-Pinned (every output placement below is one token per mesh dim):
-
-* every parameter: ``R`` on ``replicate``, ``S(0)`` on ``shard`` and ``cp``; on ``tp``
-  by its Megatron role, found from the graph: a 2-D weight reaching a matmul is
-  *row-parallel* when the matmul's output (through views) is added to the residual
-  stream (``add.Tensor``: attention out / FFN down projections), else *column-parallel*;
-  column-parallel shards the weight's output-features dim (``S(0)`` of an ``nn.Linear``
-  weight ``[out, in]`` read through a transpose, ``S(1)`` of a ``Conv1D`` weight
-  ``[in, out]``), row-parallel its input-features dim; an embedding weight is
-  ``S(0)`` (vocabulary-parallel, torchtitan's ``RowwiseParallel`` embedding); every other
-  parameter (norm weights, biases) ``R``;
-* the model inputs (token batch, labels): ``S(0)`` on the data dims, ``S(1)`` on
-  ``cp``, ``R`` on ``tp``;
-* the residual stream (those residual adds): ``S(0)`` on the data dims, ``S(1)``
-  (the sequence) on ``tp`` (sequence parallelism) and on ``cp``.
-
-Everything else (norms, attention, the gathers before a column-parallel matmul and the
-reductions after a row-parallel one) is left to the solver, which finds the cheapest
-way between the pinned tensors under the same cost model. Gradients follow their
-parameters (``fwd_bwd_consistency``), and pinned parameters are outside the parameter
-budget, as every pin.
+Recipes (config ``recipe``): the standard hand-written plans, expressed as pins so that
+any run can be compared with them under the same cost model: the parameters and the
+residual stream here (:func:`pipeline.stages.topology.recipe_pins.recipe_requests`), every
+other node the plan fixes on each mesh dim after (``recipe_pins.dim_pins``). Recipes may
+pin Partial placements (a row-parallel matmul's output); users may not.
 """
 
 from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from pipeline.core.ir import IRNode, graph_outputs, is_tensor_ref
-from pipeline.core.recipes import recipe_dim_roles
+from pipeline.core.recipes import recipe_dim_roles, tp_roles
 from pipeline.dtensor.placements import format_placements, parse_placements
 from pipeline.stages.topology.candidates import StrategyList
 from pipeline.stages.topology.groups import Grouping
@@ -59,17 +37,7 @@ from pipeline.stages.topology.problem import (
     TopologyError,
     problem_id_of,
 )
-
-#: Ops a weight passes through on its way to the op that computes with it.
-_WEIGHT_PATH_OPS = frozenset({
-    "aten._to_copy.default", "aten.detach.default", "aten.alias.default", "aten.t.default",
-    "aten.transpose.int", "aten.permute.default", "aten.view.default",
-    "aten._unsafe_view.default", "aten.reshape.default", "aten.clone.default",
-    "aten.contiguous.default", "aten.expand.default"})
-_TRANSPOSES = frozenset({"aten.t.default", "aten.transpose.int", "aten.permute.default"})
-_MATMULS = {"aten.mm.default": 1, "aten.addmm.default": 2, "aten.linear.default": 1}
-_VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
-                    "aten.alias.default", "aten.clone.default", "aten.contiguous.default"})
+from pipeline.stages.topology.recipe_pins import PinRequest, RecipeContext, recipe_requests
 
 #: Roles that never take a Partial placement (a user-visible tensor is never a pending sum).
 _NO_PARTIAL_ROLES = frozenset({"param", "buffer", "input", "tangent", "grad"})
@@ -83,25 +51,19 @@ class PinSpec:
     outputs: tuple | None
     outputs_text: str | None
     nodes: list[tuple[str, tuple, str]]  # (match, placement, placement text)
-    recipe: str | None = None
-    recipe_roles: tuple[str, ...] = ()  # per mesh dim (recipe_dim_roles)
-
-
-class PinRequest(NamedTuple):
-    """One pin on one node: the placement its output must have."""
-
-    node: int
-    placement: tuple
-    key: str  # the config key, for error messages
-    text: str
+    recipe: RecipeContext | None = None
 
 
 def recipe_of(cfg: Any) -> dict[str, Any] | None:
     """The ``recipe`` entry the topology stage adds to the constraints it reads
-    (``{name, mesh_names}``), or None without a recipe."""
+    (``{name, mesh_names, modules}``: ``modules`` the model family's module roles,
+    :func:`pipeline.core.recipes.tp_roles`, ``{}`` without), or None without a recipe."""
     name = cfg.get("recipe")
-    return None if name is None else {"name": str(name),
-                                      "mesh_names": [str(n) for n in cfg.mesh_names]}
+    if name is None:
+        return None
+    roles = tp_roles(cfg.model)
+    return {"name": str(name), "mesh_names": [str(n) for n in cfg.mesh_names],
+            "modules": roles.as_dict() if roles is not None else {}}
 
 
 def parse_pins(constraints: dict[str, Any], ndim: int) -> PinSpec:
@@ -130,8 +92,9 @@ def parse_pins(constraints: dict[str, Any], ndim: int) -> PinSpec:
     outputs = parse_placements(outputs_text, ndim) if outputs_text else None
     nodes = [(entry["match"], parse_placements(entry["placement"], ndim), entry["placement"])
              for entry in constraints.get("nodes") or []]
-    return PinSpec(inputs, outputs, outputs_text, nodes,
-                   recipe["name"] if recipe else None, roles)
+    ctx = None if recipe is None else RecipeContext(recipe["name"], roles,
+                                                    dict(recipe.get("modules") or {}))
+    return PinSpec(inputs, outputs, outputs_text, nodes, ctx)
 
 
 def pin_requests(spec: PinSpec, nodes: list[IRNode], problem: list[ProblemNode],
@@ -170,100 +133,8 @@ def pin_requests(spec: PinSpec, nodes: list[IRNode], problem: list[ProblemNode],
         requests.extend(PinRequest(m.id, want, f"constraints.nodes[match={match}]", text)
                         for m in hits)
     if spec.recipe is not None:
-        requests.extend(recipe_requests(spec.recipe, spec.recipe_roles, problem))
+        requests.extend(recipe_requests(spec.recipe, problem))
     return requests
-
-
-def megatron_roles(problem: list[ProblemNode]) -> tuple[dict[int, tuple[str, int]], list[int]]:
-    """The Megatron roles of the parameters and the residual adds (module docstring).
-
-    Returns ``({parameter id: (role, tensor dim sharded on tp)}, [residual add ids])``
-    with role ``column``, ``row`` or ``embedding``; parameters absent have no rule.
-    """
-    consumers: dict[int, list[tuple[int, int]]] = {}
-    for m in problem:
-        for a, (u, _) in enumerate(m.producers):
-            consumers.setdefault(u, []).append((m.id, a))
-
-    def fwd_uses(v: int) -> list[tuple[int, int]]:
-        return [(c, a) for c, a in consumers.get(v, []) if problem[c].phase == "fwd"]
-
-    def residual_add(v: int) -> int | None:
-        """The add.Tensor ``v``'s output reaches through views, else None."""
-        stack, seen = [v], set()
-        while stack:
-            x = stack.pop()
-            for c, _ in fwd_uses(x):
-                if c in seen:
-                    continue
-                seen.add(c)
-                if problem[c].target == "aten.add.Tensor":
-                    return c
-                if problem[c].target in _VIEWS:
-                    stack.append(c)
-        return None
-
-    roles: dict[int, tuple[str, int]] = {}
-    adds: list[int] = []
-    for p in problem:
-        if p.role != "param" or p.target != "placeholder":
-            continue
-        ndim = len((p.out_metas[0] or {}).get("shape", ()))
-        if ndim != 2:
-            continue
-        stack, seen = [(p.id, 0)], set()
-        while stack:
-            x, flips = stack.pop(0)
-            for c, a in fwd_uses(x):
-                if (c, flips) in seen:
-                    continue
-                seen.add((c, flips))
-                t = problem[c].target
-                if t == "aten.embedding.default" and a == 0:
-                    roles.setdefault(p.id, ("embedding", 0))
-                elif _MATMULS.get(t) == a:
-                    out_dim = 0 if (flips + (t == "aten.linear.default")) % 2 else 1
-                    add = residual_add(c)
-                    if add is not None:
-                        roles.setdefault(p.id, ("row", 1 - out_dim))
-                        adds.append(add)
-                    else:
-                        roles.setdefault(p.id, ("column", out_dim))
-                elif t in _WEIGHT_PATH_OPS:
-                    stack.append((c, flips + (t in _TRANSPOSES)))
-    return roles, sorted(set(adds))
-
-
-def recipe_requests(recipe: str, roles: tuple[str, ...], problem: list[ProblemNode]
-                    ) -> list[PinRequest]:
-    """The pins of ``recipe`` with mesh-dim ``roles`` (module docstring): every
-    parameter and the residual adds (the inputs are ``spec.inputs``)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    key = f"recipe={recipe}"
-    megatron, adds = megatron_roles(problem)
-    out: list[PinRequest] = []
-    for p in problem:
-        if p.role != "param" or p.target != "placeholder":
-            continue
-        ndim = len((p.out_metas[0] or {}).get("shape", ()))
-        want = []
-        for r in roles:
-            if r == "replicate" or ndim == 0:
-                want.append(Replicate())
-            elif r in ("shard", "cp"):
-                want.append(Shard(0))
-            else:  # tp
-                rule = megatron.get(p.id)
-                want.append(Replicate() if rule is None else Shard(rule[1]))
-        out.append(PinRequest(p.id, tuple(want), key, format_placements(tuple(want))))
-    for a in adds:
-        ndim = len((problem[a].out_metas[0] or {}).get("shape", ()))
-        if ndim < 2:
-            continue
-        want = tuple(Shard(1) if r in ("tp", "cp") else Shard(0) for r in roles)
-        out.append(PinRequest(a, want, key, format_placements(want)))
-    return out
 
 
 def apply_pins(requests: list[PinRequest], problem: list[ProblemNode], table: StrategyTable,

@@ -22,6 +22,7 @@ from pipeline.stages.topology.problem import (
     problem_edges,
     set_param_ratios,
 )
+from pipeline.stages.topology.recipe_pins import apply_dim_pins, dim_pins
 from pipeline.stages.topology.strategies import StrategyEnumerator
 
 
@@ -55,6 +56,9 @@ def build_topology(nodes: list[IRNode], mesh: Any, mesh_shape: tuple[int, ...],
                            tie_repeated_layers=tie_repeated_layers)
     set_param_ratios(problem, table, mesh_shape)
     pins = apply_pins(requests, problem, table, grouping)
+    if pin_spec.recipe is not None:  # every other node the recipe fixes, per mesh dim
+        per_dim = dim_pins(pin_spec.recipe, problem, table, nodes, pin_spec.inputs)
+        pins = {**apply_dim_pins(per_dim, problem, table, grouping, len(mesh_shape)), **pins}
     return Topology(
         mesh_shape=mesh_shape, mesh_names=mesh_names, nodes=problem,
         strategy_lists=table.lists, edges=edges, group_of=grouping.group_of,
