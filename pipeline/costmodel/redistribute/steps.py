@@ -353,7 +353,7 @@ class CostParams:
             (r.mesh_dim, r.kind) for r in rows if r.kind < N_COLLECTIVES]
         coll = mesh_collective_params(mesh_shape, hw, used)
         if latency_scale != 1.0:
-            coll = MeshCollectiveParams(coll.group, coll.lat * float(latency_scale), coll.bw)
+            coll = coll.scaled(latency_scale)
         return cls(coll, float(hw.hbm_bandwidth) * float(hw.memory_efficiency))
 
     def key(self) -> tuple:

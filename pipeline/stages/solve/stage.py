@@ -59,6 +59,7 @@ from pipeline.core.errors import PlanError
 from pipeline.core.ir import load_nodes, read_graph
 from pipeline.costmodel.breakdown import plan_breakdown
 from pipeline.costmodel.factors import PARALLEL_MIN_WORK, group_structure
+from pipeline.costmodel.hardware import tables_of
 from pipeline.plan.format import build_plan, write_plan
 from pipeline.solvers.ilp.fallback import no_plan_message
 from pipeline.solvers.lagrangian import allowed_unaries
@@ -491,6 +492,9 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
     if lp_bound is not None:
         record["lp_bound"] = float(lp_bound)
     record.update(_step_time(cfg, topology, costs, cost_model, strategy, parts))
+    tables = tables_of(cost_model.hw)
+    if tables is not None:  # a measured profile: its header and the lookups this run made
+        record["hardware_tables"] = tables.record()
     memory_cols: dict[str, Any] = {}
     if costs.memory is not None:
         from pipeline.memory.record import memory_columns, memory_record
