@@ -436,13 +436,11 @@ class MeshCollectiveParams:
             (:data:`~pipeline.costmodel.hardware.COLLECTIVES` order) over the groups of
             each row (:func:`group_collective_params`).
         bw: float64 ``[rows, len(COLLECTIVES)]``, bus bandwidth in bytes/s, likewise.
-        tree_lat, tree_bw: the tree's (:func:`tree_params`), NaN where not considered;
-            None when no entry has one.
-        tables: ``((row, kind index, sizes, busbw bytes/s), ...)``: the entries priced
-            by a measured table (:func:`table_collective_us`).
+        tree_lat, tree_bw: the tree's (:func:`tree_params`; NaN: none), or None.
+        tables: ``((row, kind index, sizes, busbw bytes/s), ...)``: entries priced by a
+            measured table (:func:`table_collective_us`).
         latency_scale: the bucket latency share applied (:meth:`scaled`).
-        counter: the profile's :class:`~pipeline.costmodel.profile.Tables` that counts
-            table lookups, or None.
+        counter: the profile's :class:`~pipeline.costmodel.profile.Tables`, or None.
     """
 
     group: np.ndarray
@@ -545,7 +543,7 @@ def flat_group_params(mesh_shape: Sequence[int], hw: Any,
 
 
 def mesh_collectives_us(kinds: np.ndarray, nbytes: np.ndarray, mesh_dims: np.ndarray,
-                        params: MeshCollectiveParams) -> np.ndarray:
+                        params: MeshCollectiveParams, counted: Any = None) -> np.ndarray:
     """Element-wise :func:`mesh_collective_us`: collective ``COLLECTIVES[kinds[k]]`` of
     ``nbytes[k]`` bytes over mesh dim ``mesh_dims[k]``, in µs.
 
@@ -556,6 +554,8 @@ def mesh_collectives_us(kinds: np.ndarray, nbytes: np.ndarray, mesh_dims: np.nda
         mesh_dims: int array of mesh dims (rows of ``params``), broadcastable with
             ``kinds``.
         params: the mesh's :func:`mesh_collective_params`.
+        counted: bool array, the entries that are real collectives (counted as table
+            lookups); None: all.
 
     Returns:
         float64 array, each element bit-identical to the scalar
@@ -590,9 +590,11 @@ def mesh_collectives_us(kinds: np.ndarray, nbytes: np.ndarray, mesh_dims: np.nda
             mask = (db == row) & (kb == k)
             if not mask.any():
                 continue
-            t, outside = table_collective_us(COLLECTIVES[k], nb[mask], grp[mask], sizes,
-                                             busbw, params.latency_scale)
+            t, _ = table_collective_us(COLLECTIVES[k], nb[mask], grp[mask], sizes,
+                                       busbw, params.latency_scale)
             out[mask] = t
             if params.counter is not None:
-                params.counter.count_collective(int(mask.sum()), outside)
+                real = mask if counted is None else mask & np.broadcast_to(counted, mask.shape)
+                off = real & ((nb < sizes[0]) | (nb > sizes[-1]))
+                params.counter.count_collective(int(real.sum()), int(off.sum()))
     return out

@@ -6,7 +6,7 @@ the group layout is ``ranks`` members per node x 1 node. Per kind and message si
 rank runs one warm-up call, then ``samples`` samples of ``inner`` calls between barriers
 (``inner`` doubled from 1, every rank alike, until the slowest rank's sample lasts at
 least ``min_sample_s``); a sample's time is the slowest rank's (an all-reduce of MAX), the entry the
-median sample per call.
+fastest sample per call (why the fastest: pipeline/tools/calibrate/measure.py).
 
 Sizes and bandwidths follow nccl-tests ``doc/PERFORMANCE.md``: ``size`` is the bytes of
 the gathered output (all_gather), of the unscattered input (reduce_scatter), of the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import socket
-import statistics
 import time
 from typing import Any
 
@@ -138,7 +137,7 @@ def _worker(rank: int, n: int, port: int, backend: str, kinds: tuple, sizes: tup
                     t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                     dist.all_reduce(t, op=dist.ReduceOp.MAX)
                     times.append(float(t[0]) / inner)
-                us = statistics.median(times) * 1e6
+                us = min(times) * 1e6
                 rows.append(_row(kind, n, size, us))
             out.append({"kind": kind, "per_node": n, "nodes": 1, "backend": backend,
                         "rows": rows})

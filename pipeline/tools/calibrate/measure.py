@@ -3,11 +3,14 @@
 One code path for CPU and CUDA: every timed region ends with :func:`sync` (a no-op on
 CPU, ``torch.cuda.synchronize`` on CUDA), so a sample is wall time of finished work.
 
-Statistic (:func:`median_us`): a sample runs the kernel ``inner`` times, with ``inner``
-doubled from 1 until one sample lasts at least ``min_sample_s``; after one warm-up
-sample, the per-call time is the median of ``samples`` samples. Long samples and a
-median make two runs on a shared, loaded machine agree (the agreement is measured by
-``tests/integration/test_calibrate.py`` and stated in docs/cost-model.md).
+Statistic (:func:`best_us`): a sample runs the kernel
+``inner`` times, with ``inner`` doubled from 1 until one sample lasts at least
+``min_sample_s``; after that warm-up, the per-call time is the *minimum* of ``samples``
+samples. On a shared machine other processes only ever add time, so the least disturbed
+sample is the best estimate of what the machine does (the advice of Python's ``timeit``
+documentation); a median moved with the load (two medians of the same machine differed
+up to 8x at a load average of 36 on 2 cores). The agreement of two runs is in
+docs/cost-model.md.
 
 Efficiency is ``FLOPs / (time * peak)`` with the FLOPs the cost model counts
 (:func:`pipeline.costmodel.compute.op_flops`): a matmul ``[m, k] x [k, n]`` forward
@@ -19,13 +22,12 @@ calibrate/run.py: the best measured matmul rate of the dtype).
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Settings", "attention_rows", "launch_us", "matmul_rows", "median_us",
+__all__ = ["Settings", "attention_rows", "launch_us", "matmul_rows", "best_us",
            "memory_rows", "sync"]
 
 
@@ -35,7 +37,7 @@ class Settings:
 
     Attributes:
         min_sample_s: a sample lasts at least this long (s).
-        samples: samples per entry (median).
+        samples: samples per entry (the fastest is kept).
         mm_sizes: the M = N = K axis of the matmul grid (every combination).
         dtypes: dtype names measured.
         attn_seqs: sequence lengths of the attention table.
@@ -62,8 +64,9 @@ def sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_us(fn: Callable[[], Any], device: Any, st: Settings) -> float:
-    """Median per-call time of ``fn`` in µs (module docstring)."""
+def best_us(fn: Callable[[], Any], device: Any, st: Settings) -> float:
+    """Per-call time of ``fn`` in µs: the fastest of ``st.samples`` samples (module
+    docstring)."""
     inner = 1
     while True:
         sync(device)
@@ -83,7 +86,7 @@ def median_us(fn: Callable[[], Any], device: Any, st: Settings) -> float:
             fn()
         sync(device)
         times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times) * 1e6
+    return min(times) * 1e6
 
 
 def matmul_rows(device: Any, st: Settings) -> list[dict[str, Any]]:
@@ -103,13 +106,13 @@ def matmul_rows(device: Any, st: Settings) -> list[dict[str, Any]]:
                     x = torch.randn(m, k, device=device, dtype=dtype)
                     w = torch.randn(k, n, device=device, dtype=dtype)
                     dy = torch.randn(m, n, device=device, dtype=dtype)
-                    fwd = median_us(lambda x=x, w=w: torch.mm(x, w), device, st)
+                    fwd = best_us(lambda x=x, w=w: torch.mm(x, w), device, st)
 
                     def bwd(x=x, w=w, dy=dy) -> None:
                         torch.mm(dy, w.t())  # dX
                         torch.mm(x.t(), dy)  # dW
 
-                    back = median_us(bwd, device, st)
+                    back = best_us(bwd, device, st)
                     f = op_flops(aten.mm.default, [(m, k), (k, n)])
                     b = (op_flops(aten.mm.default, [(m, n), (n, k)])
                          + op_flops(aten.mm.default, [(k, m), (m, n)]))
@@ -139,7 +142,7 @@ def attention_rows(device: Any, st: Settings) -> list[dict[str, Any]]:
                 for L in st.attn_seqs:
                     q, k, v = (torch.randn(1, bh, L, e, device=device, dtype=dtype,
                                            requires_grad=True) for _ in range(3))
-                    fwd = median_us(lambda q=q, k=k, v=v, c=causal:
+                    fwd = best_us(lambda q=q, k=k, v=v, c=causal:
                                     F.scaled_dot_product_attention(q, k, v, is_causal=c),
                                     device, st)
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -148,7 +151,7 @@ def attention_rows(device: Any, st: Settings) -> list[dict[str, Any]]:
                     def bwd(out=out, q=q, k=k, v=v, g=g) -> None:
                         torch.autograd.grad(out, (q, k, v), g, retain_graph=True)
 
-                    back = median_us(bwd, device, st)
+                    back = best_us(bwd, device, st)
                     shape = (1, bh, L, e)
                     f = op_flops(aten._scaled_dot_product_flash_attention.default,
                                  [shape, shape, shape], {}, (shape,))
@@ -171,7 +174,7 @@ def memory_rows(device: Any, st: Settings) -> list[dict[str, Any]]:
     for b in st.mem_bytes:
         src = torch.empty(b // 4, device=device, dtype=torch.float32).fill_(1.0)
         dst = torch.empty_like(src)
-        t = median_us(lambda s=src, d=dst: d.copy_(s), device, st)
+        t = best_us(lambda s=src, d=dst: d.copy_(s), device, st)
         moved = 2 * (b // 4) * 4
         rows.append({"bytes": moved, "time_us": t, "bandwidth": moved / t / 1e3})
     return rows
@@ -183,7 +186,7 @@ def launch_us(device: Any, st: Settings) -> float:
     import torch
 
     x = torch.zeros(1, device=device)
-    return median_us(lambda: x.add_(1.0), device, st)
+    return best_us(lambda: x.add_(1.0), device, st)
 
 
 def efficiencies(rows: Sequence[dict[str, Any]], peaks: dict[str, float]) -> None:

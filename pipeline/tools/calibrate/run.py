@@ -98,7 +98,7 @@ def calibrate(name: str, device_name: str, backend: str, ranks: tuple[int, ...],
     measured = ["matmul", "attention", "memory", "launch_us"] + (["collectives"] if colls else [])
     constants = ["device_memory_bytes", "nics_per_node", "hierarchical_all_reduce",
                  "inter_node"] + ([] if colls else ["intra_node"])
-    method = (f"median of {st.samples} samples of >= {st.min_sample_s * 1e3:g} ms each after "
+    method = (f"fastest of {st.samples} samples of >= {st.min_sample_s * 1e3:g} ms each after "
               "a warm-up (pipeline/tools/calibrate/measure.py); efficiency = FLOPs counted by "
               "the cost model / (time x peak), peak = the best measured matmul rate of the "
               "dtype; collectives: torch.distributed on spawned processes, the slowest "
