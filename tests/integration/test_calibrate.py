@@ -141,8 +141,10 @@ def test_toy_run_reads_the_tables_by_hand(toy_results):
     # comm: the plan's all-reduces (ddp: the gradients), S ns each
     colls = rec["collectives"]
     assert set(colls) == {"all_reduce(dp)"}
-    assert colls["all_reduce(dp)"]["us"] == pytest.approx(colls["all_reduce(dp)"]["bytes"] / 1e3,
-                                                          rel=1e-6)
+    # ... less each bucket member's share of the table's latency floor, at most the time
+    # of its smallest row (1 B at 1 GB/s: 0.001 µs) per collective
+    ar = colls["all_reduce(dp)"]
+    assert 0 <= ar["bytes"] / 1e3 - ar["us"] <= ar["count"] * 0.001 + 1e-9
     assert rec["comm_us"] == pytest.approx(colls["all_reduce(dp)"]["us"], rel=1e-9)
     lookups = rec["hardware_tables"]["lookups"]
     assert lookups["matmul"]["lookups"] > 0 and lookups["collectives"]["lookups"] > 0
@@ -157,16 +159,23 @@ def test_toy_run_reads_the_tables_by_hand(toy_results):
     plain = CostModel(topo, plain_hw, memoise=False)
     targets = topo.nodes["target"]
     doubled = 0
+    def compute(cm: CostModel, v: int) -> np.ndarray:  # the unary less in-op collectives
+        comm = cm.op_comm(v)
+        return cm.unary(v) - (0.0 if comm is None else comm)
+
     for v in range(len(targets)):
-        a, b = with_tables.unary(v), plain.unary(v)
-        if b.any():  # only ops with FLOPs cost anything here (no floor, no memory bound)
-            assert np.allclose(a, 2 * b, rtol=1e-12), targets[v]
-            doubled += 1
-        else:
-            assert not a.any()
+        a, b = compute(with_tables, v), compute(plain, v)
+        # a compute-bound strategy (its time above the ~1e-4 µs of any memory term at
+        # 1e18 B/s) takes twice as long; a memory-bound one as long
+        big = b > 1e-2
+        assert np.allclose(a[big], 2 * b[big], rtol=1e-12), targets[v]
+        assert np.allclose(a[~big], b[~big], rtol=0, atol=1e-2), targets[v]
+        doubled += int(big.any())
     assert doubled > 0
     # the plan's compute: twice its compute under the constants, node by node
-    chosen = [r["strategy"] for r in run.rows]
-    total = sum(float(plain.unary(v)[k]) for v, k in enumerate(chosen))
-    assert rec["compute_us"] == pytest.approx(2 * total, rel=1e-9)
+    chosen = [r["strategy"] for r in run.plan]
+    parts = [float(compute(plain, v)[k]) for v, k in enumerate(chosen)]
+    expected = sum(2 * b if b > 1e-2 else b for b in parts)
+    assert rec["compute_us"] == pytest.approx(expected, rel=1e-9)
+    assert expected > 1.9 * sum(parts)  # the matmuls and attention are nearly all of it
     assert tables_of(with_tables.hw).counts["matmul"][0] > 0

@@ -3,10 +3,10 @@ tables (size, time, algbw, busbw).
 
 One process per rank on this machine (gloo on CPU, NCCL on CUDA: one GPU per rank), so
 the group layout is ``ranks`` members per node x 1 node. Per kind and message size each
-rank runs one warm-up call, then ``samples`` samples of ``inner`` calls between barriers
-(``inner`` doubled from 1, every rank alike, until the slowest rank's sample lasts at
-least ``min_sample_s``); a sample's time is the slowest rank's (an all-reduce of MAX), the entry the
-fastest sample per call (why the fastest: pipeline/tools/calibrate/measure.py).
+rank runs one warm-up call, then calls each started after a barrier and timed alone, at
+least ``samples`` of them and for ``samples x min_sample_s`` seconds; a call's time is
+the slowest rank's (an all-reduce of MAX), the entry the fastest call (why the fastest:
+pipeline/tools/calibrate/measure.py).
 
 Sizes and bandwidths follow nccl-tests ``doc/PERFORMANCE.md``: ``size`` is the bytes of
 the gathered output (all_gather), of the unscattered input (reduce_scatter), of the
@@ -114,30 +114,22 @@ def _worker(rank: int, n: int, port: int, backend: str, kinds: tuple, sizes: tup
                 fn = _call(kind, n, size, device)
                 fn()
                 sync()
-                inner = 1
-                while True:  # every rank runs the same rounds; the slowest rank decides
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(inner):
+                times: list[float] = []
+                start = time.perf_counter()
+                while True:  # rounds of 4 calls; every rank decides alike (MAX)
+                    for _ in range(4):
+                        dist.barrier()
+                        t0 = time.perf_counter()
                         fn()
-                    sync()
-                    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                        sync()
+                        times.append(time.perf_counter() - t0)
+                    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
                     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                    if float(took[0]) >= min_sample_s or inner >= 1 << 16:
+                    if len(times) >= samples and float(took[0]) >= samples * min_sample_s:
                         break
-                    inner *= 2
-                dist.barrier()
-                times = []
-                for _ in range(samples):
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(inner):
-                        fn()
-                    sync()
-                    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                    times.append(float(t[0]) / inner)
-                us = min(times) * 1e6
+                per_call = torch.tensor(times, dtype=torch.float64)
+                dist.all_reduce(per_call, op=dist.ReduceOp.MAX)  # the slowest rank per call
+                us = float(per_call.min()) * 1e6
                 rows.append(_row(kind, n, size, us))
             out.append({"kind": kind, "per_node": n, "nodes": 1, "backend": backend,
                         "rows": rows})

@@ -3,14 +3,13 @@
 One code path for CPU and CUDA: every timed region ends with :func:`sync` (a no-op on
 CPU, ``torch.cuda.synchronize`` on CUDA), so a sample is wall time of finished work.
 
-Statistic (:func:`best_us`): a sample runs the kernel
-``inner`` times, with ``inner`` doubled from 1 until one sample lasts at least
-``min_sample_s``; after that warm-up, the per-call time is the *minimum* of ``samples``
-samples. On a shared machine other processes only ever add time, so the least disturbed
-sample is the best estimate of what the machine does (the advice of Python's ``timeit``
-documentation); a median moved with the load (two medians of the same machine differed
-up to 8x at a load average of 36 on 2 cores). The agreement of two runs is in
-docs/cost-model.md.
+Statistic (:func:`best_us`): after a warm-up call, every call is timed alone and the
+fastest kept, over at least ``samples`` calls and ``samples x min_sample_s`` seconds. On
+a shared machine other processes only ever add time, so the least disturbed call is the
+best estimate of what the machine does (the advice of Python's ``timeit``
+documentation); medians of samples moved with the load (two runs differed up to 8x at a
+load average of 36 on 2 cores), and so did minima of 20 ms samples (a sample spans
+several scheduler slices). The agreement of two runs is in docs/cost-model.md.
 
 Efficiency is ``FLOPs / (time * peak)`` with the FLOPs the cost model counts
 (:func:`pipeline.costmodel.compute.op_flops`): a matmul ``[m, k] x [k, n]`` forward
@@ -22,6 +21,7 @@ calibrate/run.py: the best measured matmul rate of the dtype).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,28 +65,22 @@ def sync(device: Any) -> None:
 
 
 def best_us(fn: Callable[[], Any], device: Any, st: Settings) -> float:
-    """Per-call time of ``fn`` in µs: the fastest of ``st.samples`` samples (module
-    docstring)."""
-    inner = 1
-    while True:
-        sync(device)
+    """Per-call time of ``fn`` in µs: the fastest single call (module docstring), each
+    call timed alone between device syncs, calls repeated until ``st.samples`` of them
+    and ``st.samples * st.min_sample_s`` seconds have passed (after one warm-up call)."""
+    fn()
+    sync(device)
+    budget = st.samples * st.min_sample_s
+    best = math.inf
+    calls = 0
+    start = time.perf_counter()
+    while calls < st.samples or time.perf_counter() - start < budget:
         t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
+        fn()
         sync(device)
-        took = time.perf_counter() - t0
-        if took >= st.min_sample_s or inner >= 1 << 20:
-            break
-        inner *= 2 if took <= 0 else max(2, min(64, int(st.min_sample_s / took) + 1))
-    times = []
-    for _ in range(st.samples):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync(device)
-        times.append((time.perf_counter() - t0) / inner)
-    return min(times) * 1e6
+        best = min(best, time.perf_counter() - t0)
+        calls += 1
+    return best * 1e6
 
 
 def matmul_rows(device: Any, st: Settings) -> list[dict[str, Any]]:
