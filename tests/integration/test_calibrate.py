@@ -59,7 +59,7 @@ def test_quick_calibration_end_to_end(tmp_path):
     assert hw.kernel_floor_us == pytest.approx(t["launch_us"], rel=1e-3)
     assert hw.hbm_bandwidth == pytest.approx(max(r["bandwidth"] for r in t["memory"]) * 1e9,
                                              rel=1e-3)
-    # a shared 2-core machine: measured 45-65 s at load averages of 15-36
+    # a shared 2-core machine: measured 37-65 s at load averages of 15-36
     assert took < 180, f"--quick took {took:.0f} s"
 
 
