@@ -17,7 +17,7 @@ import time as _time
 #:
 #: core < {dtensor, solvers} < {models, memory < costmodel} < plan < config
 #: < stages (trace < topology < costs < solve < report < runner)
-#: < {apply < verify, tools} < {api, cli, __main__}
+#: < {apply < verify, tools} < {api, cli, __main__, calibrate}
 #:
 #: (verify executes a plan with apply's graph interpreter, hence apply < verify.)
 LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("stages", "stages.trace", "stages.topology", "stages.costs", "stages.solve",
       "stages.report", "stages.runner"),),
     (("apply", "verify"), ("tools",)),
-    (("api",), ("cli",), ("__main__",)),
+    (("api",), ("cli",), ("__main__",), ("calibrate",)),
 )
 
 #: perf_counter() when the package was first imported (process wall-clock origin).

@@ -34,6 +34,8 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
     the stage's key changes (so ``rerun-triggers: params`` does not rerun the trace when
     only the solver changes), and ``load_resolved(stage_overrides(cfg, s))`` gives the
     same :func:`stage_dirs` entry for ``s`` as ``cfg``. ``results_dir`` is always included.
+    A hardware profile with measured tables is selected by its name (``hardware=<name>``,
+    its file ``conf/hardware/<name>.yaml``) and its scalar keys set as leaves.
     """
     keys = dict(stage_keys(cfg, stage))
     keys["results_dir"] = cfg.results_dir
@@ -46,7 +48,12 @@ def stage_overrides(cfg: DictConfig, stage: str) -> list[str]:
         if base is not None:
             out.append(f"model={base}")
     for key in sorted(keys):
-        for k, v in _leaves(key, keys[key]):
+        value = keys[key]
+        if key == "hardware" and isinstance(value, dict) and value.get("tables") is not None:
+            # a measured profile (conf/hardware/<name>.yaml): its tables come from its file
+            out.append(f"hardware={override_value(value['name'])}")
+            value = {k: v for k, v in value.items() if k != "tables"}
+        for k, v in _leaves(key, value):
             out.append(f"{k}={override_value(v)}")
     if stage == "trace" and cfg.get("stamp_layers") is False:
         # a full trace gives the same graph (in no key): passed on when switched off

@@ -59,9 +59,47 @@ bandwidth ``B`` (``intra_node.bandwidth``):
   sum is written in the table's form with ``busbw = 2(n-1)/n / (2(m-1)/(m B) +
   2(k-1)/(k m r))`` and ``lat = 2 intra + 2 inter latency``, so one formula prices it.
 
-``lat`` is the fixed cost of one ring pass on the tier the group uses. All functions
-accept a Python number or a numpy array of byte counts (and of group sizes) and return
-the same shape; scalar and array inputs give bit-identical values.
+Latency grows with the algorithm's steps (NCCL's tuning model, ``src/graph/tuning.cc``
+of NVIDIA/nccl 2.x, ``ncclTopoTuneModel``: ring latency ``baseLat + (nsteps -
+nInterSteps) * intraLat + nInterSteps * interLat``, tree latency ``baseLat + 2 *
+((nRanks/nNodes - 1) * intraLat + log2i(nNodes) * interLat)``). With ``b_t`` the base
+latency (``latency_us``) of the tier the group uses (intra if ``k == 1``, else inter)
+and ``h_i``, ``h_e`` the per-step hop latencies (``intra_node.hop_latency_us``,
+``inter_node.hop_latency_us``), one ring pass over ``n = k m`` ranks takes ``n-1``
+steps of which ``k-1`` cross the network:
+
+* ring pass: ``lat_pass = b_t + (n-k) h_i + (k-1) h_e``; all-gather and reduce-scatter
+  pay one pass, all-reduce two (so ``all_reduce == reduce_scatter + all_gather`` stays
+  exact). E.g. with NCCL's Ring/Simple hop latencies (``h_i = 3.4``, ``h_e = 14``) and
+  ``b = 6.2`` (so that 8 ranks in a node take ``6.2 + 7 x 3.4 = 30 µs``, the H100
+  measurement): 64 ranks on 8 nodes ``6.2 + 56 x 3.4 + 7 x 14 = 294.6 µs``. The
+  presets keep ``hop_latency_us = 0`` (one latency per pass) for now.
+* all-to-all: every rank exchanges with every other at once (NCCL issues it as grouped
+  point-to-point sends): one step, ``b_t + h`` with the hop of the farthest tier.
+* hierarchical all-reduce: intra reduce-scatter and all-gather (``m-1`` intra steps
+  each) and a ring all-reduce across the ``k`` nodes (``2(k-1)`` network steps):
+  ``2 b_i + 2 b_e + 2(m-1) h_i + 2(k-1) h_e``.
+* tree (the rule): NCCL runs all-reduce as ring or (double binary) tree, whichever its
+  model predicts faster for the size; tree is used for all-reduce only. A group that
+  spans ``k > 1`` nodes (``hierarchical_all_reduce=false``) is priced as the smaller of
+  the ring and the tree: ``lat = 2 b_e + 2((m-1) h_i + floor(log2 k) h_e)`` and, as in
+  NCCL's model (tree bus bandwidth ``0.9 x`` the link's, algorithm bandwidth half of
+  it), ``2 S / (0.9 B_ring)``, written in the table's form with ``busbw = 0.9 (n-1)/n
+  B_ring``. Within a node the ring is used (NCCL's intra-node tree is a chain, never
+  faster in its model). The tree reuses the ring's per-hop latencies (NCCL's own
+  Simple-protocol tree numbers are chunk latencies of its pipeline; not modelled).
+
+Measured tables. Where the hardware config carries a profile
+(:mod:`pipeline.costmodel.profile`) with a table for the collective's kind and the
+group's layout (members per node x nodes), its time is the table's: the bus bandwidth
+interpolated linearly in ``log2`` of the size and ``time = f (n-1)/n S / busbw(S)``
+(nccl-tests' definition, so the table's own rows are reproduced exactly), clamped at
+the ends (counted as outside the table). A bucket's latency share (``latency_scale``,
+:mod:`pipeline.costmodel.fsdp`) subtracts ``(1 - scale)`` times the table's time at
+its smallest size (the measured latency floor). Other layouts use the link model.
+
+All functions accept a Python number or a numpy array of byte counts (and of group
+sizes) and return the same shape; scalar and array inputs give bit-identical values.
 """
 
 from __future__ import annotations
@@ -71,11 +109,20 @@ import math
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from pipeline.costmodel.hardware import COLLECTIVES
+from pipeline.costmodel.hardware import COLLECTIVES, tables_of
+from pipeline.costmodel.layout import (
+    GroupLayout,
+    mesh_dim_layout,
+    mesh_dim_link,
+    mesh_group_layout,
+    mesh_link,
+    mesh_links,
+)
+from pipeline.costmodel.profile import Tables
 
 __all__ = [
     "COLLECTIVE_FACTOR",
@@ -97,8 +144,12 @@ __all__ = [
     "mesh_group_layout",
     "mesh_link",
     "mesh_links",
+    "mesh_params_of_layouts",
     "rail_bandwidth_per_rank",
     "reduce_scatter_us",
+    "ring_pass_latency_us",
+    "table_collective_us",
+    "tree_params",
 ]
 
 #: Volume factor numerator multiplier per collective: time uses ``f * (n-1)/n``.
@@ -116,9 +167,6 @@ _PASSES: Mapping[str, float] = types.MappingProxyType({
     "all_reduce": 2.0,
     "all_to_all": 1.0,
 })
-
-Link = Literal["intra", "inter"]
-
 
 # --------------------------------------------------------------------------- formula
 
@@ -157,8 +205,9 @@ def _check_kind(kind: str) -> None:
 def collective_us(kind: str, nbytes: Any, n: Any, link: Any) -> Any:
     """Time in µs of ring collective ``kind`` on ``n`` ranks over one link tier.
 
-    The ring runs at ``link.bandwidth`` (bus bandwidth) with ``link.latency_us`` per
-    ring pass (two for all-reduce). For a mesh's groups, whose bandwidth depends on
+    The ring runs at ``link.bandwidth`` (bus bandwidth); one ring pass costs
+    ``link.latency_us + (n-1) link.hop_latency_us`` (two passes for all-reduce; one step
+    for all-to-all). For a mesh's groups, whose bandwidth depends on
     their layout over nodes, use :func:`mesh_collective_us`.
 
     Args:
@@ -174,7 +223,10 @@ def collective_us(kind: str, nbytes: Any, n: Any, link: Any) -> Any:
         ValueError: for an unknown ``kind``.
     """
     _check_kind(kind)
-    lat = _PASSES[kind] * float(link.latency_us)
+    steps = 1 if kind == "all_to_all" else np.asarray(n, dtype=np.float64) - 1
+    lat = _PASSES[kind] * (float(link.latency_us) + steps * float(link.hop_latency_us))
+    if np.ndim(lat) == 0:
+        lat = float(lat)
     return alpha_beta_us(COLLECTIVE_FACTOR[kind], lat, float(link.bandwidth), nbytes, n)
 
 
@@ -196,110 +248,6 @@ def all_reduce_us(nbytes: Any, n: Any, link: Any) -> Any:
 def all_to_all_us(nbytes: Any, n: Any, link: Any) -> Any:
     """All-to-all of ``nbytes`` *local* bytes per device: ``lat + (n-1)/n * S / bw`` (µs)."""
     return collective_us("all_to_all", nbytes, n, link)
-
-
-# --------------------------------------------------------------------------- layout
-
-
-@dataclass(frozen=True)
-class GroupLayout:
-    """How the ranks of one communication group sit on the nodes.
-
-    Attributes:
-        size: ranks in the group (``n``).
-        per_node: members of the group on one node (``m``; for a non-uniform layout
-            the fewest on any node the group touches, the ring's narrowest node).
-        nodes: nodes the group spans (``k``; for a non-uniform layout the most).
-    """
-
-    size: int
-    per_node: int
-    nodes: int
-
-    @property
-    def spans_nodes(self) -> bool:
-        """Whether the group leaves its node (uses the scale-out network)."""
-        return self.nodes > 1
-
-
-def _mesh_dims(mesh_shape: Sequence[int], mesh_dims: int | Sequence[int]) -> tuple[int, ...]:
-    ndim = len(mesh_shape)
-    dims = (mesh_dims,) if isinstance(mesh_dims, (int, np.integer)) else tuple(mesh_dims)
-    out = []
-    for d in dims:
-        if not -ndim <= d < ndim:
-            raise ValueError(f"mesh_dim={d} out of range for mesh {tuple(mesh_shape)}")
-        out.append(int(d) % ndim)
-    if not out or len(set(out)) != len(out):
-        raise ValueError(f"mesh dims {dims} must be distinct and at least one")
-    return tuple(sorted(out))
-
-
-@functools.lru_cache(maxsize=1024)
-def _layout(mesh_shape: tuple[int, ...], dims: tuple[int, ...], gpus_per_node: int) -> GroupLayout:
-    n = math.prod(mesh_shape[d] for d in dims)
-    world = math.prod(mesh_shape)
-    if world <= gpus_per_node or n == 1:
-        return GroupLayout(n, n, 1)
-    ranks = np.arange(world, dtype=np.int64).reshape(mesh_shape)
-    rest = [d for d in range(len(mesh_shape)) if d not in dims]
-    groups = ranks.transpose(*rest, *dims).reshape(-1, n)  # one row per group
-    nodes = np.sort(groups // gpus_per_node, axis=1)
-    starts = np.ones(nodes.shape, dtype=bool)
-    starts[:, 1:] = nodes[:, 1:] != nodes[:, :-1]
-    spanned = int(starts.sum(axis=1).max())
-    first = np.flatnonzero(starts.ravel())
-    runs = np.diff(np.append(first, nodes.size))  # members per (group, node)
-    return GroupLayout(n, int(runs.min()), spanned)
-
-
-def mesh_group_layout(mesh_shape: Sequence[int], mesh_dims: int | Sequence[int],
-                      gpus_per_node: int) -> GroupLayout:
-    """The :class:`GroupLayout` of the groups over ``mesh_dims`` (one dim or several
-    taken together) of ``mesh_shape``, ranks row-major and packed ``gpus_per_node`` per
-    node.
-
-    Examples, 8 GPUs/node: ``(64,)`` dim 0 -> 8 per node x 8 nodes; ``(8, 8)`` dim 0 ->
-    1 x 8, dim 1 -> 8 x 1, dims (0, 1) -> 8 x 8; ``(16, 4)`` dim 0 -> 2 x 8;
-    ``(2, 4, 8)`` dim 1 -> 1 x 4.
-
-    Raises:
-        ValueError: if a mesh dim is out of range or repeated.
-    """
-    dims = _mesh_dims(mesh_shape, mesh_dims)
-    return _layout(tuple(int(d) for d in mesh_shape), dims, int(gpus_per_node))
-
-
-def mesh_dim_layout(mesh_shape: Sequence[int], mesh_dim: int, gpus_per_node: int) -> GroupLayout:
-    """:func:`mesh_group_layout` of one mesh dim."""
-    return mesh_group_layout(mesh_shape, mesh_dim, gpus_per_node)
-
-
-def mesh_dim_link(mesh_shape: Sequence[int], mesh_dim: int, gpus_per_node: int) -> Link:
-    """Which link tier a collective over ``mesh_dim`` uses: ``"intra"`` if its groups stay
-    inside one node, else ``"inter"`` (:func:`mesh_dim_layout`).
-
-    Example, 8 GPUs/node: ``(8,)`` -> dim 0 intra; ``(8, 8)`` -> dim 0 inter, dim 1
-    intra; ``(2, 4, 8)`` -> dims 0, 1 inter, dim 2 intra.
-
-    Raises:
-        ValueError: if ``mesh_dim`` is out of range.
-    """
-    return "inter" if mesh_dim_layout(mesh_shape, mesh_dim, gpus_per_node).spans_nodes else "intra"
-
-
-def mesh_links(mesh_shape: Sequence[int], gpus_per_node: int) -> tuple[Link, ...]:
-    """:func:`mesh_dim_link` for every mesh dim."""
-    return tuple(mesh_dim_link(mesh_shape, m, gpus_per_node) for m in range(len(mesh_shape)))
-
-
-def mesh_link(mesh_shape: Sequence[int], mesh_dim: int, hw: Any) -> Any:
-    """The :class:`~pipeline.costmodel.hardware.LinkConfig` tier of ``hw`` that a
-    collective over ``mesh_dim`` uses (its bus bandwidth also depends on the layout:
-    :func:`group_collective_params`)."""
-    if mesh_dim_link(mesh_shape, mesh_dim, hw.gpus_per_node) == "intra":
-        return hw.intra_node
-    return hw.inter_node
 
 
 # --------------------------------------------------------------------------- link model
@@ -346,6 +294,18 @@ class _Links:
     def hierarchical(self) -> bool:
         return bool(self._hw.hierarchical_all_reduce)
 
+    @functools.cached_property
+    def intra_hop(self) -> float:
+        return float(self._hw.intra_node.hop_latency_us)
+
+    @functools.cached_property
+    def inter_hop(self) -> float:
+        return float(self._hw.inter_node.hop_latency_us)
+
+    @functools.cached_property
+    def tables(self) -> Tables | None:
+        return tables_of(self._hw)
+
 
 def rail_bandwidth_per_rank(layout: GroupLayout, hw: Any) -> float:
     """Each rank's share of the scale-out bandwidth, bytes/s one direction:
@@ -356,9 +316,19 @@ def rail_bandwidth_per_rank(layout: GroupLayout, hw: Any) -> float:
                h.nics_per_node * h.nic_bw / h.gpus_per_node)
 
 
+def ring_pass_latency_us(layout: GroupLayout, hw: Any) -> float:
+    """Latency of one ring pass over ``layout``: ``b_t + (n-k) h_i + (k-1) h_e`` (µs;
+    module docstring, NCCL's ``(nsteps - nInterSteps) intraLat + nInterSteps interLat``)."""
+    h = _Links.of(hw)
+    n, k = layout.size, layout.nodes
+    base = h.inter_lat if layout.spans_nodes else h.nvlink_lat
+    return base + (n - k) * h.intra_hop + (k - 1) * h.inter_hop
+
+
 def group_collective_params(kind: str, layout: GroupLayout, hw: Any) -> tuple[float, float]:
     """``(lat µs, bus bandwidth bytes/s)`` of collective ``kind`` over a group laid out as
-    ``layout`` on hardware ``hw`` (the cases of the module docstring).
+    ``layout`` on hardware ``hw`` by the link model (the cases of the module docstring;
+    the ring, or the hierarchical all-reduce; the tree is :func:`tree_params`).
 
     Raises:
         ValueError: for an unknown ``kind``.
@@ -366,24 +336,79 @@ def group_collective_params(kind: str, layout: GroupLayout, hw: Any) -> tuple[fl
     _check_kind(kind)
     h = _Links.of(hw)
     passes = _PASSES[kind]
-    if not layout.spans_nodes:
-        return passes * h.nvlink_lat, h.nvlink_bw
+    if kind == "all_to_all":
+        if not layout.spans_nodes:
+            return h.nvlink_lat + h.intra_hop, h.nvlink_bw
+    elif not layout.spans_nodes:
+        return passes * ring_pass_latency_us(layout, h), h.nvlink_bw
     n, m, k = layout.size, layout.per_node, layout.nodes
     r = rail_bandwidth_per_rank(layout, h)
     if kind == "all_to_all":
-        return h.inter_lat, (n - 1) / max((m - 1) / h.nvlink_bw, (n - m) / r)
+        return h.inter_lat + h.inter_hop, (n - 1) / max((m - 1) / h.nvlink_bw, (n - m) / r)
     if kind == "all_reduce" and h.hierarchical and m > 1:
         per_byte = 2 * (m - 1) / (m * h.nvlink_bw) + 2 * (k - 1) / (k * m * r)
-        return 2 * h.nvlink_lat + 2 * h.inter_lat, (2 * (n - 1) / n) / per_byte
+        lat = (2 * h.nvlink_lat + 2 * h.inter_lat + 2 * (m - 1) * h.intra_hop
+               + 2 * (k - 1) * h.inter_hop)
+        return lat, (2 * (n - 1) / n) / per_byte
     ring = r if m == 1 else min(h.nvlink_bw, m * r)
-    return passes * h.inter_lat, ring
+    return passes * ring_pass_latency_us(layout, h), ring
+
+
+def tree_params(kind: str, layout: GroupLayout, hw: Any) -> tuple[float, float] | None:
+    """``(lat µs, bus bandwidth bytes/s)`` of NCCL's tree all-reduce over ``layout``, in
+    the table's form, or None where NCCL's rule (module docstring) does not consider it:
+    any other kind, a group inside one node, or ``hierarchical_all_reduce``.
+
+    ``lat = 2 b_e + 2((m-1) h_i + floor(log2 k) h_e)``, ``busbw = 0.9 (n-1)/n B_ring``
+    (so that ``2(n-1)/n S / busbw = 2 S / (0.9 B_ring)``).
+    """
+    h = _Links.of(hw)
+    if kind != "all_reduce" or not layout.spans_nodes or h.hierarchical:
+        return None
+    n, m, k = layout.size, layout.per_node, layout.nodes
+    ring_bw = group_collective_params(kind, layout, h)[1]
+    depth = int(math.floor(math.log2(k)))
+    lat = 2 * h.inter_lat + 2 * ((m - 1) * h.intra_hop + depth * h.inter_hop)
+    return lat, 0.9 * (n - 1) / n * ring_bw
+
+
+def table_collective_us(kind: str, nbytes: Any, n: Any, sizes: Sequence[int],
+                        busbw: Sequence[float], latency_scale: float = 1.0
+                        ) -> tuple[np.ndarray, int]:
+    """Time (µs) of ``kind`` from a measured table: ``f (n-1)/n S / busbw(S) * 1e6`` with
+    ``busbw`` interpolated linearly in ``log2 S`` and clamped at the table's ends, minus
+    ``(1 - latency_scale)`` times the time of the table's smallest size (at least 0);
+    and how many of the sizes lay outside the table. Array in, array out."""
+    nb = np.asarray(nbytes, dtype=np.float64)
+    n = np.asarray(n, dtype=np.float64)
+    ls = np.log2(np.asarray(sizes, dtype=np.float64))
+    bw = np.interp(np.log2(np.maximum(nb, 1.0)), ls, np.asarray(busbw, dtype=np.float64))
+    f = COLLECTIVE_FACTOR[kind]
+    t = (f * (n - 1) / n) * (nb / bw) * 1e6
+    if latency_scale != 1.0:
+        floor = (f * (n - 1) / n) * (float(sizes[0]) / float(busbw[0])) * 1e6
+        t = np.maximum(t - (1.0 - latency_scale) * floor, 0.0)
+    outside = int(np.count_nonzero((nb < sizes[0]) | (nb > sizes[-1])))
+    return np.where(n > 1, t, 0.0), outside
+
+
+def _table_of(kind: str, layout: GroupLayout, h: _Links) -> tuple[list, list] | None:
+    tables = h.tables
+    if tables is None or layout.size <= 1 or layout.size != layout.per_node * layout.nodes:
+        return None
+    return tables.collective_busbw(kind, layout.per_node, layout.nodes)
 
 
 def group_collective_us(kind: str, nbytes: Any, layout: GroupLayout, hw: Any) -> Any:
     """Collective ``kind`` of ``nbytes`` (module table) over a group laid out as
-    ``layout`` on ``hw``, in µs (:func:`alpha_beta_us` on :func:`group_collective_params`)."""
-    lat, bw = group_collective_params(kind, layout, hw)
-    return alpha_beta_us(COLLECTIVE_FACTOR[kind], lat, bw, nbytes, layout.size)
+    ``layout`` on ``hw``, in µs: the measured table where the profile has one for the
+    kind and layout, else :func:`alpha_beta_us` on :func:`group_collective_params`
+    (the smaller of that and :func:`tree_params` where NCCL would consider the tree)."""
+    h = _Links.of(hw)
+    params = mesh_params_of_layouts([layout], h)
+    kinds = np.full(np.shape(nbytes), COLLECTIVES.index(kind), dtype=np.intp)
+    out = mesh_collectives_us(kinds, nbytes, np.zeros(np.shape(nbytes), dtype=np.intp), params)
+    return float(out) if np.ndim(out) == 0 else out
 
 
 def mesh_collective_us(
@@ -402,46 +427,107 @@ def mesh_collective_us(
 
 @dataclass(frozen=True)
 class MeshCollectiveParams:
-    """The alpha-beta parameters of every collective on every mesh dim of one mesh.
+    """The parameters of every collective on every row (a mesh dim, or a flattened
+    group) of one mesh.
 
     Attributes:
-        group: int64 ``[ndim]``, the group size ``n`` of each mesh dim.
-        lat: float64 ``[ndim, len(COLLECTIVES)]``, latency in µs of each collective
+        group: int64 ``[rows]``, the group size ``n`` of each row.
+        lat: float64 ``[rows, len(COLLECTIVES)]``, latency in µs of each collective
             (:data:`~pipeline.costmodel.hardware.COLLECTIVES` order) over the groups of
-            each mesh dim (:func:`group_collective_params`).
-        bw: float64 ``[ndim, len(COLLECTIVES)]``, bus bandwidth in bytes/s, likewise.
+            each row (:func:`group_collective_params`).
+        bw: float64 ``[rows, len(COLLECTIVES)]``, bus bandwidth in bytes/s, likewise.
+        tree_lat, tree_bw: the tree's (:func:`tree_params`; NaN: none), or None.
+        tables: ``((row, kind index, sizes, busbw bytes/s), ...)``: entries priced by a
+            measured table (:func:`table_collective_us`).
+        latency_scale: the bucket latency share applied (:meth:`scaled`).
+        counter: the profile's :class:`~pipeline.costmodel.profile.Tables`, or None.
     """
 
     group: np.ndarray
     lat: np.ndarray
     bw: np.ndarray
+    tree_lat: np.ndarray | None = None
+    tree_bw: np.ndarray | None = None
+    tables: tuple = ()
+    latency_scale: float = 1.0
+    counter: Any = None
 
-    def key(self) -> tuple[bytes, bytes, bytes]:
+    def key(self) -> tuple:
         """A hashable value identity (for caches keyed by the parameters)."""
-        return self.group.tobytes(), self.lat.tobytes(), self.bw.tobytes()
+        tree = b"" if self.tree_lat is None else self.tree_lat.tobytes() + self.tree_bw.tobytes()
+        tables = tuple((r, k, tuple(s), tuple(b)) for r, k, s, b in self.tables)
+        return (self.group.tobytes(), self.lat.tobytes(), self.bw.tobytes(), tree, tables,
+                self.latency_scale)
+
+    def scaled(self, latency_scale: float) -> MeshCollectiveParams:
+        """These parameters with every latency times ``latency_scale`` (a bucket
+        member's share, :mod:`pipeline.costmodel.fsdp`); tables subtract the share of
+        their latency floor (:func:`table_collective_us`)."""
+        s = float(latency_scale)
+        return MeshCollectiveParams(
+            self.group, self.lat * s, self.bw,
+            None if self.tree_lat is None else self.tree_lat * s, self.tree_bw,
+            self.tables, self.latency_scale * s, self.counter)
+
+
+def mesh_params_of_layouts(layouts: Sequence[GroupLayout | None], hw: Any,
+                           used: Iterable[tuple[int, int]] | None = None
+                           ) -> MeshCollectiveParams:
+    """:class:`MeshCollectiveParams` with one row per layout (None: a group of one);
+    with ``used`` only those ``(row, kind index)`` entries, the others NaN."""
+    rows, n_kinds = max(1, len(layouts)), len(COLLECTIVES)
+    lat = np.full((rows, n_kinds), np.nan)
+    bw = np.full_like(lat, np.nan)
+    tree_lat = np.full_like(lat, np.nan)
+    tree_bw = np.full_like(lat, np.nan)
+    size = np.ones(rows, dtype=np.int64)
+    if used is None:
+        used = [(i, k) for i in range(len(layouts)) for k in range(n_kinds)]
+    used = sorted(set(used))
+    h = _Links.of(hw)
+    tables = []
+    any_tree = False
+    for i, layout in enumerate(layouts):
+        if layout is not None:
+            size[i] = layout.size
+    for i, k in used:
+        layout = layouts[i]
+        if layout is None:
+            lat[i, k], bw[i, k] = 0.0, 1.0
+            continue
+        kind = COLLECTIVES[k]
+        lat[i, k], bw[i, k] = group_collective_params(kind, layout, h)
+        tree = tree_params(kind, layout, h)
+        if tree is not None:
+            tree_lat[i, k], tree_bw[i, k] = tree
+            any_tree = True
+        table = _table_of(kind, layout, h) if layout.size > 1 else None
+        if table is not None:
+            tables.append((i, k, tuple(table[0]), tuple(table[1])))
+        elif h.tables is not None and layout.size > 1:
+            h.tables.count_missing_layout()
+    return MeshCollectiveParams(size, lat, bw, tree_lat if any_tree else None,
+                                tree_bw if any_tree else None, tuple(tables), 1.0,
+                                h.tables)
 
 
 def mesh_collective_params(
     mesh_shape: Sequence[int], hw: Any, used: Iterable[tuple[int, int]] | None = None
 ) -> MeshCollectiveParams:
-    """:class:`MeshCollectiveParams` of ``mesh_shape`` on hardware ``hw``.
+    """:class:`MeshCollectiveParams` of ``mesh_shape`` on hardware ``hw``, one row per
+    mesh dim.
 
     With ``used``, an iterable of ``(mesh dim, collective index)`` pairs, only those
     entries are computed and the others are NaN: for a caller that costs those
     collectives only.
     """
-    ndim, n_kinds = len(mesh_shape), len(COLLECTIVES)
-    lat = np.full((ndim, n_kinds), np.nan)
-    bw = np.full_like(lat, np.nan)
-    if used is None:
-        used = [(m, k) for m in range(ndim) for k in range(n_kinds)]
-    used = sorted(set(used))
-    if used:
-        links = _Links.of(hw)
-        for m, k in used:
-            layout = mesh_dim_layout(mesh_shape, m, links.gpus_per_node)
-            lat[m, k], bw[m, k] = group_collective_params(COLLECTIVES[k], layout, links)
-    return MeshCollectiveParams(np.asarray(mesh_shape, dtype=np.int64), lat, bw)
+    links = _Links.of(hw)
+    layouts = [mesh_dim_layout(mesh_shape, m, links.gpus_per_node)
+               for m in range(len(mesh_shape))]
+    params = mesh_params_of_layouts(layouts, links, used)
+    return MeshCollectiveParams(np.asarray(mesh_shape, dtype=np.int64), params.lat, params.bw,
+                                params.tree_lat, params.tree_bw, params.tables, 1.0,
+                                params.counter)
 
 
 def flat_group_params(mesh_shape: Sequence[int], hw: Any,
@@ -451,20 +537,13 @@ def flat_group_params(mesh_shape: Sequence[int], hw: Any,
     size of group ``i`` and the parameters of every collective over it
     (:func:`mesh_group_layout`, :func:`group_collective_params`)."""
     links = _Links.of(hw)
-    rows = max(1, len(groups))
-    lat = np.zeros((rows, len(COLLECTIVES)))
-    bw = np.ones_like(lat)
-    size = np.ones(rows, dtype=np.int64)
-    for i, dims in enumerate(groups):
-        layout = mesh_group_layout(mesh_shape, tuple(dims), links.gpus_per_node)
-        size[i] = layout.size
-        for k, kind in enumerate(COLLECTIVES):
-            lat[i, k], bw[i, k] = group_collective_params(kind, layout, links)
-    return MeshCollectiveParams(size, lat, bw)
+    layouts = [mesh_group_layout(mesh_shape, tuple(dims), links.gpus_per_node)
+               for dims in groups] or [None]
+    return mesh_params_of_layouts(layouts, links)
 
 
 def mesh_collectives_us(kinds: np.ndarray, nbytes: np.ndarray, mesh_dims: np.ndarray,
-                        params: MeshCollectiveParams) -> np.ndarray:
+                        params: MeshCollectiveParams, counted: Any = None) -> np.ndarray:
     """Element-wise :func:`mesh_collective_us`: collective ``COLLECTIVES[kinds[k]]`` of
     ``nbytes[k]`` bytes over mesh dim ``mesh_dims[k]``, in µs.
 
@@ -472,17 +551,50 @@ def mesh_collectives_us(kinds: np.ndarray, nbytes: np.ndarray, mesh_dims: np.nda
         kinds: int array of indices into
             :data:`~pipeline.costmodel.hardware.COLLECTIVES`.
         nbytes: int or float array of the collectives' ``S`` (module table).
-        mesh_dims: int array of mesh dims, broadcastable with ``kinds``.
+        mesh_dims: int array of mesh dims (rows of ``params``), broadcastable with
+            ``kinds``.
         params: the mesh's :func:`mesh_collective_params`.
+        counted: bool array, the entries that are real collectives (counted as table
+            lookups); None: all.
 
     Returns:
         float64 array, each element bit-identical to the scalar
         ``mesh_collective_us(COLLECTIVES[kinds[k]], int(nbytes[k]), mesh_shape,
-        mesh_dims[k], hw)`` (both evaluate :func:`alpha_beta_us` on
-        :func:`group_collective_params`).
+        mesh_dims[k], hw)`` (both evaluate this function): the ring (or hierarchical)
+        alpha-beta time, the smaller of it and the tree's where the tree is
+        considered, the measured table's where there is one.
     """
     factor = np.asarray([COLLECTIVE_FACTOR[k] for k in COLLECTIVES])
     kinds = np.asarray(kinds, dtype=np.intp)
     mesh_dims = np.asarray(mesh_dims, dtype=np.intp)
-    return alpha_beta_us(factor[kinds], params.lat[mesh_dims, kinds],
-                         params.bw[mesh_dims, kinds], nbytes, params.group[mesh_dims])
+    group = params.group[mesh_dims]
+    out = alpha_beta_us(factor[kinds], params.lat[mesh_dims, kinds],
+                        params.bw[mesh_dims, kinds], nbytes, group)
+    if params.tree_lat is None and not params.tables:
+        return out
+    out = np.array(out, dtype=np.float64)
+    if params.tree_lat is not None:
+        tl = params.tree_lat[mesh_dims, kinds]
+        has = ~np.isnan(tl)
+        if has.any():
+            tree = alpha_beta_us(factor[kinds], np.where(has, tl, 0.0),
+                                 np.where(has, params.tree_bw[mesh_dims, kinds], 1.0),
+                                 nbytes, group)
+            out = np.where(has, np.minimum(out, tree), out)
+    if params.tables:
+        nb = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), out.shape)
+        grp = np.broadcast_to(group, out.shape)
+        kb = np.broadcast_to(kinds, out.shape)
+        db = np.broadcast_to(mesh_dims, out.shape)
+        for row, k, sizes, busbw in params.tables:
+            mask = (db == row) & (kb == k)
+            if not mask.any():
+                continue
+            t, _ = table_collective_us(COLLECTIVES[k], nb[mask], grp[mask], sizes,
+                                       busbw, params.latency_scale)
+            out[mask] = t
+            if params.counter is not None:
+                real = mask if counted is None else mask & np.broadcast_to(counted, mask.shape)
+                off = real & ((nb < sizes[0]) | (nb > sizes[-1]))
+                params.counter.count_collective(int(real.sum()), int(off.sum()))
+    return out

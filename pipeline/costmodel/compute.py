@@ -34,6 +34,14 @@ gives it (:data:`_FLOP_FORMULAS`, consulted before torch's registry).
 
 The peak is chosen by dtype: bf16 / fp16 (and fp8) use ``peak_flops_bf16``, all other
 dtypes ``peak_flops_fp32``.
+
+Measured tables (:func:`table_rates`): where the hardware config carries a profile
+(:mod:`pipeline.costmodel.profile`), a matmul (``mm``, ``addmm``, ``bmm``, ``baddbmm``)
+takes the profile's efficiency at its ``(M, N, K)`` (a batched matmul's batch folded into
+``M``) for its dtype and pass (the node's phase), an SDPA op the efficiency at its
+sequence length, head dim and causal mask (pass from the op: ``*_backward`` is bwd), and
+every op's memory term the measured bandwidth at its byte count; everything else the
+constants.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import torch
 from torch.utils.flop_counter import flop_registry
 
 from pipeline.core.ir import resolve_op
+from pipeline.costmodel.hardware import tables_of
 from pipeline.dtensor.torch_compat import HigherOrderOperator, OpOverload, op_schema
 
 __all__ = [
@@ -58,6 +67,7 @@ __all__ = [
     "peak_flops",
     "resolve_op",
     "roofline_us",
+    "table_rates",
 ]
 
 aten = torch.ops.aten
@@ -339,7 +349,65 @@ def peak_flops(dtype: Any, hw: Any) -> float:
     return float(hw.peak_flops_bf16 if _dtype_name(dtype) in _HALF_DTYPES else hw.peak_flops_fp32)
 
 
-def roofline_us(flops: Any, nbytes: Any, dtype: Any, hw: Any, is_view: bool) -> Any:
+def _mm_dims(packet: Any, shapes: Sequence[Any]) -> tuple[int, int, int] | None:
+    """``(M, N, K)`` of a matmul's operand shapes (batch folded into ``M``), or None."""
+    try:
+        if packet is aten.mm:
+            (m, k), (_, n) = shapes[0], shapes[1]
+        elif packet is aten.addmm:
+            (m, k), (_, n) = shapes[1], shapes[2]
+        elif packet in (aten.bmm, aten.baddbmm):
+            a, b = (shapes[0], shapes[1]) if packet is aten.bmm else (shapes[1], shapes[2])
+            (bt, m, k), (_, _, n) = a, b
+            m = bt * m
+        else:
+            return None
+    except (TypeError, ValueError, IndexError):
+        return None
+    return int(m), int(n), int(k)
+
+
+def table_rates(op: Any, arg_shapes: Sequence[Any], args: Sequence[Any], kwargs: dict,
+                nbytes: float, dtype: Any, hw: Any, phase: str
+                ) -> tuple[float | None, float | None]:
+    """``(compute efficiency, memory bandwidth bytes/s)`` of one op from ``hw``'s measured
+    tables (module docstring), each None where no table covers it (then the
+    constants); ``(None, None)`` without a profile.
+
+    Args:
+        op: the op (``OpOverload`` or name).
+        arg_shapes: its positional arguments with tensors as local shapes.
+        args, kwargs: its arguments as traced (for ``is_causal``).
+        nbytes: bytes the kernel reads and writes.
+        dtype: compute dtype (name or ``torch.dtype``).
+        hw: :class:`~pipeline.costmodel.hardware.HardwareConfig`.
+        phase: ``fwd`` or ``bwd`` (the node's phase).
+    """
+    tables = tables_of(hw)
+    if tables is None:
+        return None, None
+    name = str(_dtype_name(dtype)).removeprefix("torch.")
+    bandwidth = tables.memory_bandwidth(float(nbytes))
+    packet = _packet(op)
+    dims = _mm_dims(packet, arg_shapes)
+    if dims is not None:
+        return tables.matmul_efficiency(name, phase, *dims), bandwidth
+    text = str(getattr(packet, "__name__", packet))
+    if "scaled_dot_product" in text and isinstance(resolve_op(op), OpOverload):
+        schema = [a.name for a in op_schema(resolve_op(op)).arguments]
+        causal = kwargs.get("is_causal")
+        if causal is None and "is_causal" in schema and schema.index("is_causal") < len(args):
+            causal = args[schema.index("is_causal")]
+        q = arg_shapes[0]
+        if isinstance(q, (list, tuple)) and len(q) >= 2:
+            eff = tables.attention_efficiency(name, "bwd" if "backward" in text else "fwd",
+                                              int(q[-2]), int(q[-1]), bool(causal))
+            return eff, bandwidth
+    return None, bandwidth
+
+
+def roofline_us(flops: Any, nbytes: Any, dtype: Any, hw: Any, is_view: bool,
+                efficiency: float | None = None, bandwidth: float | None = None) -> Any:
     """Roofline time of one kernel in µs (Williams et al. 2009).
 
     ``max(flops / (peak(dtype) * eff_c), nbytes / (hbm_bw * eff_m)) * 1e6``, at least
@@ -351,6 +419,10 @@ def roofline_us(flops: Any, nbytes: Any, dtype: Any, hw: Any, is_view: bool) -> 
         dtype: compute dtype (``torch.dtype`` or name) choosing the peak.
         hw: :class:`~pipeline.costmodel.hardware.HardwareConfig` (or DictConfig).
         is_view: True for view / metadata ops (:func:`is_view_op`).
+        efficiency: the compute efficiency to use instead of ``hw.compute_efficiency``
+            (a measured table's, :func:`table_rates`); None: the constant.
+        bandwidth: the achieved memory bandwidth in bytes/s instead of ``hbm_bandwidth
+            * memory_efficiency`` (a measured table's); None: the constants.
 
     Returns:
         µs: a float for scalar inputs, an array for array inputs.
@@ -360,8 +432,11 @@ def roofline_us(flops: Any, nbytes: Any, dtype: Any, hw: Any, is_view: bool) -> 
             return 0.0
         return np.zeros(np.broadcast(np.asarray(flops), np.asarray(nbytes)).shape)
     peak = peak_flops(dtype, hw)
-    compute_s = flops / (peak * float(hw.compute_efficiency))
-    memory_s = nbytes / (float(hw.hbm_bandwidth) * float(hw.memory_efficiency))
+    eff = float(hw.compute_efficiency) if efficiency is None else float(efficiency)
+    compute_s = flops / (peak * eff)
+    bw = (float(hw.hbm_bandwidth) * float(hw.memory_efficiency) if bandwidth is None
+          else float(bandwidth))
+    memory_s = nbytes / bw
     floor = float(hw.kernel_floor_us)
     if np.ndim(compute_s) == 0 and np.ndim(memory_s) == 0:
         return max(max(compute_s, memory_s) * 1e6, floor)

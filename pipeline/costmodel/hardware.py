@@ -14,11 +14,19 @@ direction). The two link tiers are :class:`LinkConfig` nodes:
 
 * ``intra_node.bandwidth``: the NCCL *bus* bandwidth (nccl-tests ``busbw``, NCCL docs /
   nccl-tests ``doc/PERFORMANCE.md``) of a ring collective inside one node, bytes/s;
-  ``intra_node.latency_us``: the fixed cost of one such ring pass (all-gather,
-  reduce-scatter or all-to-all);
+  ``intra_node.latency_us``: the fixed (base) cost of one ring pass inside a node;
+  ``intra_node.hop_latency_us``: the latency of one ring step over an NVLink hop;
 * ``inter_node.bandwidth``: the bandwidth of one NIC, one direction, bytes/s (the bus
   bandwidth of a ring with one GPU per node on one rail); ``inter_node.latency_us``:
-  the fixed cost of one ring pass whose group spans nodes.
+  the base cost of one ring pass whose group spans nodes; ``inter_node.hop_latency_us``:
+  one ring step over a network hop.
+
+A ring pass over ``n`` ranks on ``k`` nodes takes ``n-1`` steps, ``k-1`` of them over the
+network (NCCL's tuning model, ``src/graph/tuning.cc``: ``latency = baseLat +
+(nsteps - nInterSteps) * intraLat + nInterSteps * interLat``); the latency formulas per
+collective are :mod:`pipeline.costmodel.comm`.
+
+``tables``: measured tables of a profile (:mod:`pipeline.costmodel.profile`), or None.
 
 How a group laid out as (nodes spanned) x (members per node) turns these into one bus
 bandwidth per collective is :mod:`pipeline.costmodel.comm`. ``hierarchical_all_reduce``
@@ -35,6 +43,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.costmodel.profile import Tables, validate_tables
+
 __all__ = [
     "COLLECTIVES",
     "HardwareConfig",
@@ -44,6 +54,7 @@ __all__ = [
     "check_physical_ranges",
     "hardware_key",
     "load_hardware",
+    "tables_of",
     "validate_hardware",
 ]
 
@@ -53,18 +64,21 @@ COLLECTIVES: tuple[str, ...] = ("all_gather", "reduce_scatter", "all_reduce", "a
 
 @dataclass
 class LinkConfig:
-    """One link tier: bandwidth (bytes/s) and fixed latency of one ring pass (µs).
+    """One link tier: bandwidth (bytes/s), base latency of one ring pass (µs) and the
+    latency of one ring step over a hop of this tier (µs).
 
     ``intra_node``: NVLink bus bandwidth of a ring inside a node. ``inter_node``: the
-    bandwidth of one NIC in one direction. Defaults: H100 SXM NVLink 4 / NVSwitch.
+    bandwidth of one NIC in one direction. Defaults: H100 SXM NVLink 4 / NVSwitch, the
+    values of ``conf/hardware/h100.yaml`` (sources there).
     """
 
     bandwidth: float = 390e9
     latency_us: float = 30.0
+    hop_latency_us: float = 0.0
 
 
 def _inter_node_default() -> LinkConfig:
-    return LinkConfig(bandwidth=50e9, latency_us=40.0)
+    return LinkConfig(bandwidth=50e9, latency_us=40.0, hop_latency_us=0.0)
 
 
 @dataclass
@@ -87,8 +101,10 @@ class HardwareConfig:
         hierarchical_all_reduce: price all-reduce over a group that spans nodes as
             intra reduce-scatter + inter all-reduce + intra all-gather instead of one ring.
         intra_node: NVLink ring bus bandwidth and latency.
-        inter_node: bandwidth of one NIC (one direction) and the latency of a ring pass
-            that crosses nodes.
+        inter_node: bandwidth of one NIC (one direction), the base latency of a ring
+            pass that crosses nodes and the latency of one network hop.
+        tables: a measured profile's tables (:mod:`pipeline.costmodel.profile`;
+            ``python -m pipeline.calibrate`` writes them), None: the constants only.
     """
 
     name: str = "h100"
@@ -104,6 +120,7 @@ class HardwareConfig:
     hierarchical_all_reduce: bool = False
     intra_node: LinkConfig = field(default_factory=LinkConfig)
     inter_node: LinkConfig = field(default_factory=_inter_node_default)
+    tables: Any = None
 
     def __post_init__(self) -> None:
         validate_hardware(self)
@@ -164,8 +181,12 @@ def validate_hardware(hw: Any) -> None:
         link = getattr(hw, name)
         if not (_is_num(link.bandwidth) and link.bandwidth > 0):
             raise bad(f"{name}.bandwidth", link.bandwidth, "must be a number > 0 (bytes/s)")
-        if not (_is_num(link.latency_us) and link.latency_us >= 0):
-            raise bad(f"{name}.latency_us", link.latency_us, "must be a number >= 0 (µs)")
+        for key in ("latency_us", "hop_latency_us"):
+            v = getattr(link, key)
+            if not (_is_num(v) and v >= 0):
+                raise bad(f"{name}.{key}", v, "must be a number >= 0 (µs)")
+    if hw.tables is not None:
+        validate_tables(hw.tables)
     check_physical_ranges(hw)
 
 
@@ -236,9 +257,44 @@ def hardware_key(hw: Any) -> tuple:
         bool(hw.hierarchical_all_reduce),
         float(hw.intra_node.bandwidth),
         float(hw.intra_node.latency_us),
+        float(hw.intra_node.hop_latency_us),
         float(hw.inter_node.bandwidth),
         float(hw.inter_node.latency_us),
+        float(hw.inter_node.hop_latency_us),
+        _tables_digest(hw.tables),
     )
+
+
+def _tables_digest(tables: Any) -> str:
+    """A short digest of a profile's tables ('' for none), for :func:`hardware_key`."""
+    if tables is None:
+        return ""
+    import hashlib
+    import json
+
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(tables) if OmegaConf.is_config(tables) else tables
+    text = json.dumps(plain, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def tables_of(hw: Any) -> Tables | None:
+    """The parsed :class:`~pipeline.costmodel.profile.Tables` of ``hw``, or None.
+
+    A :class:`HardwareConfig` keeps its parsed tables (and their lookup counters) on
+    the instance, so every cost function given the same config shares one; a
+    ``DictConfig`` gets a fresh parse.
+    """
+    raw = getattr(hw, "tables", None)
+    if raw is None:
+        return None
+    if isinstance(hw, HardwareConfig):
+        cached = hw.__dict__.get("_parsed_tables")
+        if cached is None:
+            cached = hw.__dict__["_parsed_tables"] = Tables(raw)
+        return cached
+    return Tables(raw)
 
 
 def as_hardware(hw: Any) -> HardwareConfig:

@@ -47,10 +47,10 @@ from pipeline.core.ir import TENSOR_REF_RE as _REF_RE
 from pipeline.core.ir import decode_shared as _decode_shared
 from pipeline.core.ir import tensor_refs as _refs_in
 from pipeline.core.ir import with_shapes as _with_shapes
-from pipeline.costmodel.compute import is_view_op, op_flops, roofline_us
+from pipeline.costmodel.compute import is_view_op, op_flops, roofline_us, table_rates
 from pipeline.costmodel.fsdp import edge_policy
 from pipeline.costmodel.fusion import PointwiseFusion
-from pipeline.costmodel.hardware import as_hardware
+from pipeline.costmodel.hardware import as_hardware, tables_of
 from pipeline.costmodel.model_parallel import (
     activation_edges,
     blocked_pairs,
@@ -202,7 +202,8 @@ class CostModel:
         key = "|".join((target, _REF_RE.sub('{"node": 0}', self.args[node]),
                         _REF_RE.sub('{"node": 0}', self.kwargs[node]),
                         self._in_metas_text[node], self._out_metas_text[node],
-                        str(self.slist[node])))
+                        str(self.slist[node]))) + (
+            f"|{self.topology.nodes['phase'][node]}" if tables_of(self.hw) is not None else "")
         times = int(self.node_times[node])
         hit = self._unary_memo.get(key)
         if hit is None:
@@ -293,6 +294,8 @@ class CostModel:
         out_size = [itemsize(m["dtype"]) if m is not None else 0 for m in out_metas]
         # Local shapes depend only on (tensor, placement text): cache them per argument,
         # and memoise the roofline by the tuple of local shapes (far fewer than strategies).
+        tables = tables_of(self.hw) is not None  # a measured profile (compute.table_rates)
+        phase = str(self.topology.nodes["phase"][node]) if tables else "fwd"
         in_local: list[dict[str, tuple]] = [{} for _ in in_metas]
         out_local: dict[str, tuple] = {}
         memo: dict[tuple, float] = {}
@@ -322,7 +325,10 @@ class CostModel:
                 flops = op_flops(target, _with_shapes(args, loc_in),
                                  _with_shapes(kwargs, loc_in, n_args),
                                  loc_out if len(loc_out) > 1 else loc_out[0]) if aten else 0.0
-                cost = memo[key] = float(roofline_us(flops, nbytes, dtype, self.hw, False))
+                eff, bw = table_rates(target, loc_in, args, kwargs, nbytes, dtype, self.hw,
+                                      phase) if tables else (None, None)
+                cost = memo[key] = float(roofline_us(flops, nbytes, dtype, self.hw, False,
+                                                     eff, bw))
             costs[k] = cost
         return costs
 

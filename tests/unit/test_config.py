@@ -187,7 +187,8 @@ def test_bad_input_load_config(case):
     (["model.foo=1"], "model.foo=1: unknown key; allowed keys at model: name, dim,"),
     (["+foo=1"], "+foo=1: unknown key"),
     (["~mesh"], "~mesh: schema keys cannot be deleted"),
-    (["hardware=nope"], "hardware=nope: allowed a100, b200, h100, h100_96gb, h200"),
+    (["hardware=nope"], "hardware=nope: allowed a100, b200, cpu_epyc2, h100, h100_96gb, h200, "
+                        "test_tables"),
     (["experiment=nope"], "experiment=nope: allowed"),
     (["model.dim=abc"], "model.dim=abc: allowed an integer"),
     (["solver.backend=gurobi"], "solver.backend=gurobi: allowed highs, cbc"),

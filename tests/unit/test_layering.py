@@ -346,6 +346,8 @@ def test_checker_allows_own_lane_downward(tmp_path: Path) -> None:
         "pipeline.stages.solve.stage (stages.solve (layer 6)): upward import within the layer"]
 
 
-@pytest.mark.parametrize("module", ["pipeline.stages.trace.stamp", "pipeline.tools.bench.cli"])
+@pytest.mark.parametrize("module", ["pipeline.stages.trace.stamp", "pipeline.tools.bench.cli",
+                                    "pipeline.calibrate", "pipeline.tools.calibrate.run",
+                                    "pipeline.costmodel.profile"])
 def test_every_real_module_maps_to_a_unit(module: str) -> None:
     assert unit_of(module, units()) is not None

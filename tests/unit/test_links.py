@@ -314,7 +314,8 @@ def test_preset_values():
      "hardware.device_memory_bytes=0 is invalid: must be an integer > 0 (bytes)"),
     ("hardware.hierarchical_all_reduce=maybe",
      "hardware.hierarchical_all_reduce=maybe: allowed true, false"),
-    ("hardware=tpu", "hardware=tpu: allowed a100, b200, h100, h100_96gb, h200"),
+    ("hardware=tpu", "hardware=tpu: allowed a100, b200, cpu_epyc2, h100, h100_96gb, h200, "
+                     "test_tables"),
 ])
 def test_bad_link_values_are_one_line_and_exit_2(override, message, tmp_path, monkeypatch,
                                                 capsys):

@@ -49,7 +49,7 @@ from typing import Any
 
 from torch.distributed.tensor.placement_types import Placement
 
-from pipeline.costmodel.comm import MeshCollectiveParams, flat_group_params
+from pipeline.costmodel.comm import flat_group_params
 from pipeline.costmodel.redistribute.steps import (
     KIND_CODE,
     N_COLLECTIVES,
@@ -171,5 +171,5 @@ class FlatGroups:
         :meth:`.steps.CostParams.of` scales it)."""
         coll = flat_group_params(self.mesh_shape, hw, self.dims)
         if latency_scale != 1.0:
-            coll = MeshCollectiveParams(coll.group, coll.lat * float(latency_scale), coll.bw)
+            coll = coll.scaled(latency_scale)
         return CostParams(coll, float(hbm))

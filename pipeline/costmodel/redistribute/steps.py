@@ -353,7 +353,7 @@ class CostParams:
             (r.mesh_dim, r.kind) for r in rows if r.kind < N_COLLECTIVES]
         coll = mesh_collective_params(mesh_shape, hw, used)
         if latency_scale != 1.0:
-            coll = MeshCollectiveParams(coll.group, coll.lat * float(latency_scale), coll.bw)
+            coll = coll.scaled(latency_scale)
         return cls(coll, float(hw.hbm_bandwidth) * float(hw.memory_efficiency))
 
     def key(self) -> tuple:
@@ -391,7 +391,7 @@ def step_costs(rows: StepRows, shape: Sequence[int], itemsize: int,
     s_bytes = collective_bytes(rows.kind, n, g_bytes, l_bytes)
     is_coll = rows.kind < N_COLLECTIVES
     coll = mesh_collectives_us(np.where(is_coll, rows.kind, 0), s_bytes, rows.mesh_dim,
-                               params.collectives)
+                               params.collectives, counted=is_coll)
     comm = np.where(is_coll, coll, 0.0)
     rb = np.where(rows.reshuffle_local, l_bytes, s_bytes)
     resh = np.where(rows.reshuffle, reshuffle_us(rb, params.hbm), 0.0)

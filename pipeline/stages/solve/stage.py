@@ -59,6 +59,7 @@ from pipeline.core.errors import PlanError
 from pipeline.core.ir import load_nodes, read_graph
 from pipeline.costmodel.breakdown import plan_breakdown
 from pipeline.costmodel.factors import PARALLEL_MIN_WORK, group_structure
+from pipeline.costmodel.hardware import tables_of
 from pipeline.memory.fit import fit_fields, fit_warning
 from pipeline.plan.format import build_plan, write_plan
 from pipeline.solvers.ilp.fallback import no_plan_message
@@ -533,6 +534,9 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
             record["status"] = OPTIMAL
         elif status == OPTIMAL:
             record["status"] = HEURISTIC
+    tables = tables_of(cost_model.hw)
+    if tables is not None:  # a measured profile: its header and the lookups this run made
+        record["hardware_tables"] = tables.record()
     memory_cols: dict[str, Any] = {}
     if costs.memory is not None:
         from pipeline.memory.record import memory_columns, memory_record
