@@ -28,6 +28,14 @@ collective are :mod:`pipeline.costmodel.comm`.
 
 ``tables``: measured tables of a profile (:mod:`pipeline.costmodel.profile`), or None.
 
+``overlap``: whether communication runs beside compute (true: a GPU, whose NCCL kernels
+run on their own CUDA streams while the compute stream runs, the premise of FSDP's
+prefetching, PyTorch FSDP notes "FSDP Prefetch Nuances"). False for CPU processes on
+gloo: a gloo collective runs on the calling thread (``ProcessGroupGloo``'s synchronous
+``wait()`` blocks it, and verify's ranks run one thread each), so no kernel runs while a
+collective is in flight; ``python -m pipeline.calibrate`` writes it false for a CPU /
+gloo profile. The step-time model honours it (:mod:`pipeline.costmodel.steptime`).
+
 How a group laid out as (nodes spanned) x (members per node) turns these into one bus
 bandwidth per collective is :mod:`pipeline.costmodel.comm`. ``hierarchical_all_reduce``
 picks NCCL-style hierarchical all-reduce (intra reduce-scatter, inter all-reduce,
@@ -105,6 +113,8 @@ class HardwareConfig:
             pass that crosses nodes and the latency of one network hop.
         tables: a measured profile's tables (:mod:`pipeline.costmodel.profile`;
             ``python -m pipeline.calibrate`` writes them), None: the constants only.
+        overlap: communication overlaps compute (module docstring); false: every
+            collective blocks the compute stream.
     """
 
     name: str = "h100"
@@ -121,6 +131,7 @@ class HardwareConfig:
     intra_node: LinkConfig = field(default_factory=LinkConfig)
     inter_node: LinkConfig = field(default_factory=_inter_node_default)
     tables: Any = None
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         validate_hardware(self)
@@ -177,6 +188,8 @@ def validate_hardware(hw: Any) -> None:
             raise bad(key, v, "must be an integer >= 1")
     if not isinstance(hw.hierarchical_all_reduce, bool):
         raise bad("hierarchical_all_reduce", hw.hierarchical_all_reduce, "must be true or false")
+    if not isinstance(getattr(hw, "overlap", True), bool):
+        raise bad("overlap", hw.overlap, "must be true or false")
     for name in ("intra_node", "inter_node"):
         link = getattr(hw, name)
         if not (_is_num(link.bandwidth) and link.bandwidth > 0):
@@ -262,6 +275,7 @@ def hardware_key(hw: Any) -> tuple:
         float(hw.inter_node.latency_us),
         float(hw.inter_node.hop_latency_us),
         _tables_digest(hw.tables),
+        bool(getattr(hw, "overlap", True)),
     )
 
 

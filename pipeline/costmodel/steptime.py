@@ -60,6 +60,11 @@ Activation checkpointing's recomputation and any second run of an edge
 (``CostModel.edge_times``) are paid at the node's place in graph order (their times
 already include every run).
 
+No overlap (``hardware.overlap=false``, a CPU / gloo profile, pipeline/costmodel/
+hardware.py): every redistribution step blocks the compute stream, one stream in graph
+order, each node's incoming steps (edge order, step order) before its kernel:
+``step_time_us = compute_us + comm_us``, ``exposed_comm_us = comm_us``.
+
 Reported (``run.json`` ``step_time``; the top-level ``step_time_us``,
 ``exposed_comm_us``, ``tokens_per_s_per_device``): ``step_time_us`` (the makespan),
 ``compute_us`` (the compute stream's busy time, the sum of the nodes' compute: equal to
@@ -119,6 +124,8 @@ class StepInputs:
         steps: per edge, ``(mesh dim, µs)`` of each redistribution step in order
             (empty: no redistribution).
         num_dims: mesh dims (communication streams).
+        overlap: communication overlaps compute (``hardware.overlap``); false: every
+            redistribution step blocks the compute stream (module docstring).
     """
 
     names: list[str]
@@ -132,6 +139,7 @@ class StepInputs:
     edges: list[tuple[int, int]]
     steps: list[list[tuple[int, float]]]
     num_dims: int
+    overlap: bool = True
 
 
 @dataclass
@@ -289,6 +297,8 @@ def simulate(g: StepInputs) -> StepTime:
             u, v = g.edges[e]
             raise ValueError(f"step time: edge {g.names[u]} -> {g.names[v]} has a "
                              f"non-finite redistribution time {s}")
+    if not g.overlap:
+        return _sequential(g)
     kind, ekind, order, unit = _classify(g)
     ins: list[list[int]] = [[] for _ in range(n)]
     outs: list[list[int]] = [[] for _ in range(n)]
@@ -438,15 +448,49 @@ def simulate(g: StepInputs) -> StepTime:
                            f"({len(stalled)} nodes never ran; position "
                            f"{position.get(stalled[0])})")
     compute = math.fsum(g.compute_us[v] for v in range(n) if kind[v] in (_MAIN, _SIDE))
-    by_kind = {k: 0.0 for k in EDGE_KINDS}
-    names = {_WEIGHT: "weight", _ACTIVATION: "activation", _GRADIENT: "gradient"}
-    for e, s in enumerate(g.steps):
-        by_kind[names[ekind[e]]] += math.fsum(us for _, us in s)
+    by_kind = _comm_by_kind(g, ekind)
     comm = math.fsum(by_kind.values())
     makespan = max(state["makespan"], max(comm_free, default=0.0))
     return StepTime(step_time_us=makespan, compute_us=compute, comm_us=comm,
                     exposed_comm_us=makespan - compute, stream_busy_us=busy,
                     comm_us_by_kind=by_kind, units=num_units,
+                    node_start_us=start, node_end_us=end)
+
+
+def _comm_by_kind(g: StepInputs, ekind: list[int]) -> dict[str, float]:
+    names = {_WEIGHT: "weight", _ACTIVATION: "activation", _GRADIENT: "gradient"}
+    by_kind = {k: 0.0 for k in EDGE_KINDS}
+    for e, s in enumerate(g.steps):
+        by_kind[names[ekind[e]]] += math.fsum(us for _, us in s)
+    return by_kind
+
+
+def _sequential(g: StepInputs) -> StepTime:
+    """The step without overlap (module docstring)."""
+    n = len(g.names)
+    kind, ekind, _, unit = _classify(g)
+    ins: list[list[int]] = [[] for _ in range(n)]
+    for e, (_, v) in enumerate(g.edges):
+        ins[v].append(e)
+    busy = [0.0] * g.num_dims
+    start = [0.0] * n
+    end = [0.0] * n
+    clock = 0.0
+    for v in range(n):
+        for e in ins[v]:
+            for d, us in g.steps[e]:
+                busy[d] += us
+                clock += us
+        start[v] = clock
+        if kind[v] in (_MAIN, _SIDE):
+            clock += g.compute_us[v]
+        end[v] = clock
+    compute = math.fsum(g.compute_us[v] for v in range(n) if kind[v] in (_MAIN, _SIDE))
+    by_kind = _comm_by_kind(g, ekind)
+    comm = math.fsum(by_kind.values())
+    return StepTime(step_time_us=compute + comm, compute_us=compute, comm_us=comm,
+                    exposed_comm_us=comm, stream_busy_us=busy, comm_us_by_kind=by_kind,
+                    units=1 + max((x for x in unit if x is not None), default=-1),
                     node_start_us=start, node_end_us=end)
 
 
@@ -510,7 +554,8 @@ def plan_step_inputs(topology: Any, cost_model: Any, strategy: Any, parts: Any,
         compute_us=[max(0.0, float(x) + float(f))
                     for x, f in zip(parts.compute_us, parts.fusion_us, strict=True)], edges=[
             (int(u), int(v)) for u, _, v, _ in cost_model.edges],
-        steps=steps, num_dims=len(cost_model.mesh_shape))
+        steps=steps, num_dims=len(cost_model.mesh_shape),
+        overlap=bool(getattr(cost_model.hw, "overlap", True)))
 
 
 def global_tokens(model_cfg: Any) -> int | None:
@@ -528,7 +573,7 @@ def global_tokens(model_cfg: Any) -> int | None:
 
 
 def step_time_record(sim: StepTime, mesh_names: list[str], tokens: int | None,
-                     world_size: int) -> dict[str, Any]:
+                     world_size: int, overlap: bool = True) -> dict[str, Any]:
     """The run record's ``step_time`` entry (module docstring)."""
     per_s = None
     if tokens is not None and sim.step_time_us > 0:
@@ -543,8 +588,12 @@ def step_time_record(sim: StepTime, mesh_names: list[str], tokens: int | None,
         "stream_busy_us": {str(m): b for m, b in zip(mesh_names, sim.stream_busy_us)},
         "comm_us_by_kind": dict(sim.comm_us_by_kind),
         "units": sim.units,
+        "overlap": bool(overlap),
         "model": ("one compute stream, one communication stream per mesh dim, graph "
                   "order; weight all-gathers prefetched one FSDP unit ahead, gradient "
                   "reductions overlapped with the rest of the backward, activation "
-                  "redistributions on the critical path (pipeline/costmodel/steptime.py)"),
+                  "redistributions on the critical path (pipeline/costmodel/steptime.py)"
+                  if overlap else
+                  "no overlap (hardware.overlap=false): every redistribution blocks the "
+                  "compute stream, step = compute + comm (pipeline/costmodel/steptime.py)"),
     }

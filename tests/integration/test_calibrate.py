@@ -57,6 +57,7 @@ def test_quick_calibration_end_to_end(tmp_path):
             assert r["busbw"] == pytest.approx(r["algbw"] * f, rel=2e-3)
     # the scalar keys derived from the tables (pipeline/tools/calibrate/run.py)
     assert hw.kernel_floor_us == pytest.approx(t["launch_us"], rel=1e-3)
+    assert hw.overlap is False  # CPU / gloo: a collective blocks the computing thread
     assert hw.hbm_bandwidth == pytest.approx(max(r["bandwidth"] for r in t["memory"]) * 1e9,
                                              rel=1e-3)
     # a shared 2-core machine: measured 37-65 s at load averages of 15-36

@@ -66,6 +66,29 @@ def test_hand_worked_overlap() -> None:
     assert sim.node_end_us[8] == 60.0  # the reduced gradient arrives during b0
 
 
+def test_hand_worked_no_overlap() -> None:
+    """``hardware.overlap=false`` (CPU processes on gloo): every collective blocks the one
+    stream, in graph order. By hand on the same graph: pA's gather 0-4, a0 4-14; a1
+    waits for the all-reduce 14-17 and pB's gather 17-23 (edge order), runs 23-33; b1
+    33-53, gB 53-58, b0 58-78; the sink sB waits for gB's reduce-scatter (8 µs): it
+    comes after b0 in graph order, 78-86. Step 86 = compute 65 + comm 21 (the additive
+    sum), exposed 21, where the overlapped schedule gives 72."""
+    import dataclasses
+
+    g = dataclasses.replace(_graph(), overlap=False)
+    sim = simulate(g)
+    assert sim.step_time_us == 86.0
+    assert (sim.compute_us, sim.comm_us, sim.exposed_comm_us) == (65.0, 21.0, 21.0)
+    assert sim.stream_busy_us == [18.0, 3.0]
+    assert sim.comm_us_by_kind == {"weight": 10.0, "activation": 3.0, "gradient": 8.0}
+    start = dict(zip(g.names, sim.node_start_us))
+    assert (start["a0"], start["a1"], start["b1"], start["gB"], start["b0"]) == \
+        (4.0, 23.0, 33.0, 53.0, 58.0)
+    assert sim.node_end_us[8] == 86.0
+    slow = simulate(dataclasses.replace(_graph(gather_b=16.0), overlap=False))
+    assert slow.step_time_us == 96.0  # every µs of comm adds to the step
+
+
 def test_prefetch_longer_than_the_layer() -> None:
     """pB's gather of 16 µs (4-20) outlasts a0 (4-14) and the all-reduce (14-17): a1
     starts at 20, the step is 75 µs (exposed 4 + 6)."""

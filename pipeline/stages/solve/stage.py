@@ -421,7 +421,8 @@ def _step_time(cfg: Any, topology: TopologyTables, costs: Costs, cost_model: Any
     inputs = plan_step_inputs(topology, cost_model, strategy, parts,
                               _weight_derived(costs, topology))
     entry = step_time_record(simulate(inputs), [str(m) for m in cfg.mesh_names],
-                             global_tokens(cfg.model), math.prod(int(m) for m in cfg.mesh))
+                             global_tokens(cfg.model), math.prod(int(m) for m in cfg.mesh),
+                             overlap=inputs.overlap)
     return {"step_time_us": entry["step_time_us"], "exposed_comm_us": entry["exposed_comm_us"],
             "tokens_per_s_per_device": entry["tokens_per_s_per_device"], "step_time": entry}
 

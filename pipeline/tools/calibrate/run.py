@@ -18,6 +18,9 @@ are derived from the tables where a measurement exists:
   largest group measured, ``latency_us`` the all-gather time of the smallest size on
   the smallest group, ``hop_latency_us`` 0 (the tables carry the size dependence).
 * ``gpus_per_node``: the largest group measured (one machine is one node).
+* ``overlap``: false on CPU / gloo (a gloo collective blocks the thread that computes,
+  pipeline/costmodel/hardware.py), true on CUDA / NCCL (collectives on their own
+  stream).
 
 From constants (listed in ``tables.from_constants``): ``device_memory_bytes`` (the
 machine's memory, from the OS or the CUDA driver, not a measurement), ``nics_per_node``
@@ -128,6 +131,7 @@ def calibrate(name: str, device_name: str, backend: str, ranks: tuple[int, ...],
         "gpus_per_node": max(ranks) if ranks else 1,
         "nics_per_node": 1,
         "hierarchical_all_reduce": False,
+        "overlap": device.type == "cuda" and backend == "nccl",
         "intra_node": link,
         "inter_node": dict(link),
         "tables": tables,
