@@ -96,6 +96,23 @@ def _applied(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
         return {"error": f"{type(err).__name__}: {first}"}
 
 
+def _timed(rank: int, job: dict[str, Any], mesh: Any, result: dict[str, Any],
+           timings: dict[str, float]) -> None:
+    """``--measure``: the applied step timed (:mod:`pipeline.verify.timing`) into
+    ``result["timing"]``; a failure is recorded, one line with its type."""
+    if not job.get("measure"):
+        return
+    from pipeline.verify.timing import time_rank
+
+    start = time.perf_counter()
+    try:
+        result["timing"] = time_rank(rank, job, mesh)
+    except Exception as err:  # noqa: BLE001 - recorded in verify.json as the timing's result
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        result["timing"] = {"error": f"{type(err).__name__}: {first}"}
+    timings["measure"] = time.perf_counter() - start
+
+
 def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -110,9 +127,12 @@ def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     ops = {resolve_target(n.target) for n in job["nodes"] if n.kind == "call_function"}
     with cpu_kernels(op for op in ops if op is not None):
         if not job.get("interpret", True):
-            start = time.perf_counter()
-            result = {"rank": rank, "applied": _applied(rank, job, mesh)}
-            timings["applied_step"] = time.perf_counter() - start
+            result = {"rank": rank}
+            if job.get("applied", True):
+                start = time.perf_counter()
+                result["applied"] = _applied(rank, job, mesh)
+                timings["applied_step"] = time.perf_counter() - start
+            _timed(rank, job, mesh, result, timings)
             result["seconds"] = timings
             return result
         start = time.perf_counter()
@@ -151,5 +171,6 @@ def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
             start = time.perf_counter()
             result["applied"] = _applied(rank, job, mesh)
             timings["applied_step"] = time.perf_counter() - start
+        _timed(rank, job, mesh, result, timings)
     result["seconds"] = timings
     return result

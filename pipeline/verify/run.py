@@ -1,7 +1,7 @@
 """Stage verify: execute a run's plan with DTensor on real processes and check it.
 
     python -m pipeline.verify model=toy mesh=2,2 [hydra overrides] [--plan PATH]
-        [--nproc N] [--seed S] [--output PATH]
+        [--nproc N] [--seed S] [--output PATH] [--measure N [--warmup W]]
     snakemake verify --config model=toy mesh=2,2
 
 Runs the stages the plan needs (reusing current artifacts), then spawns one process
@@ -34,7 +34,13 @@ rounding. Written (atomically) to ``verify.json`` beside the plan:
 * ``applied``: the applied path (:mod:`pipeline.verify.applied`): the real module
   parallelized with :func:`pipeline.apply.parallelize` and trained one step beside the
   unsharded one, parameters' local shapes and shards against the plan, collectives
-  and parameter bytes beside the plan's (:func:`applied_record`).
+  and parameter bytes beside the plan's (:func:`applied_record`);
+* ``timing`` (with ``--measure N``): the applied step timed on the gloo processes,
+  ``--warmup W`` untimed steps (default 2) then ``N`` timed ones, each between
+  barriers; the median of the slowest rank's step time with its min, max and
+  quartiles, beside the run's predicted ``step_time_us`` under the run's ``hardware``
+  (``hardware=cpu_epyc2``: the profile calibrated on this machine), their ratio, and
+  the load average (:mod:`pipeline.verify.timing`).
 
 Exit status: 0 the plan verified; 1 it did not (``verify.json`` says why) or a
 process failed; 2 bad input (one line on stderr, nothing written): a bad override or
@@ -77,6 +83,7 @@ from pipeline.verify.models import (
     real_inputs,
 )
 from pipeline.verify.signals import Interrupted, handled, run_workers
+from pipeline.verify.timing import DEFAULT_WARMUP, load_average, predicted_step, timing_record
 
 __all__ = ["DEFAULT_SEED", "RTOL", "VERIFY_FILE", "VerifyUsageError",
            "build_real_model", "check_inputs", "dtensor_collectives", "main", "parse_args",
@@ -90,8 +97,8 @@ VERIFY_FILE = "verify.json"
 RTOL = 1e-5
 DEFAULT_SEED = 0
 _USAGE = ("usage: python -m pipeline.verify [hydra overrides...] [--plan PATH] [--nproc N] "
-          "[--seed S] [--output PATH]")
-_FLAGS = ("--plan", "--nproc", "--seed", "--output")
+          "[--seed S] [--output PATH] [--measure N] [--warmup W]")
+_FLAGS = ("--plan", "--nproc", "--seed", "--output", "--measure", "--warmup")
 
 
 # --------------------------------------------------------------------------- driver
@@ -161,7 +168,8 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
         VerifyUsageError: an unknown flag, a flag without a value, or a bad value.
     """
     overrides: list[str] = []
-    flags: dict[str, Any] = {"plan": None, "nproc": None, "seed": DEFAULT_SEED, "output": None}
+    flags: dict[str, Any] = {"plan": None, "nproc": None, "seed": DEFAULT_SEED, "output": None,
+                             "measure": 0, "warmup": DEFAULT_WARMUP}
     args = list(argv)
     i = 0
     while i < len(args):
@@ -176,7 +184,7 @@ def parse_args(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
                 i += 1
                 value = args[i]
             name = key[2:]
-            if name in ("nproc", "seed"):
+            if name in ("nproc", "seed", "measure", "warmup"):
                 try:
                     number = int(value)
                 except ValueError:
@@ -220,12 +228,13 @@ def check_inputs(cfg: Any, plan_path: Path | None, nproc: int | None) -> Any:
 
 def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
            seed: int = DEFAULT_SEED, output: Path | None = None,
-           start_method: str = "fork", interpret: bool = True, applied: bool = True
-           ) -> dict[str, Any]:
+           start_method: str = "fork", interpret: bool = True, applied: bool = True,
+           measure: int = 0, warmup: int = DEFAULT_WARMUP) -> dict[str, Any]:
     """Verify the plan of a resolved config (see the module docstring); returns the
     ``verify.json`` record (also written). ``interpret=False`` runs the applied path
     only (``parallelize`` and the module's own step), not the graph interpreter;
-    ``applied=False`` the interpreter only.
+    ``applied=False`` the interpreter only; ``measure=N`` times ``N`` applied steps after
+    ``warmup`` (``interpret=False, applied=False, measure=N``: the timing alone).
 
     Raises:
         PlanError: bad input (nothing written).
@@ -258,9 +267,13 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
                "plan": plan, "nodes": nodes, "model_cfg": model_cfg, "seed": int(seed),
                "interpret": bool(interpret), "applied": bool(applied),
                "activation_checkpointing": str(
-                   OmegaConf.select(cfg, "memory.activation_checkpointing") or "none")}
+                   OmegaConf.select(cfg, "memory.activation_checkpointing") or "none"),
+               "measure": int(measure), "warmup": int(warmup)}
         start = time.perf_counter()
+        load_before = load_average()
         run_workers(worker, (job,), world, start_method)  # stopped on SIGINT / SIGTERM
+        machine_load = {"before": load_before, "after": load_average(),
+                "cores": len(os.sched_getaffinity(0))}
         spawned = time.perf_counter() - start
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
     if interpret:
@@ -271,6 +284,9 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
         record["applied"] = applied_record(plan, nodes, ranks, path.parent)
         record["checks"]["applied"] = record["applied"]["ok"]
         record["ok"] = bool(record["ok"] and record["applied"]["ok"])
+    if measure and not record.get("error"):
+        record["timing"] = timing_record(ranks, warmup, predicted_step(dirs.solve, cfg.hardware),
+                                         machine_load)
     from pipeline.apply import torch_styles
 
     styles = torch_styles(plan, nodes)
@@ -426,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with handled():
             record = verify(cfg, plan_path=Path(flags["plan"]) if flags["plan"] else None,
                             nproc=flags["nproc"], seed=flags["seed"],
-                            output=Path(flags["output"]) if flags["output"] else None)
+                            output=Path(flags["output"]) if flags["output"] else None,
+                            measure=flags["measure"], warmup=flags["warmup"])
     except USER_ERRORS as err:
         print(str(err).splitlines()[0] if str(err) else type(err).__name__, file=sys.stderr)
         return 2
@@ -439,6 +456,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   if not v) + " failed"
         print(f"verify: FAILED ({reason}); see {record['path']}", file=sys.stderr)
         return 1
+    timing = record.get("timing")
+    if timing and "median_ms" in timing:
+        pred = timing["predicted_ms"]
+        print(f"verify: step {timing['median_ms']:.1f} ms median of {timing['steps']} "
+              f"(min {timing['min_ms']:.1f}, max {timing['max_ms']:.1f}); predicted "
+              + (f"{pred:.1f} ms under hardware={timing['hardware']}" if pred is not None
+                 else "none") + f"; load {timing['load_average']['before'][0]}")
+    if "placements" not in record:
+        print(f"verify: ok; {record['path']}")
+        return 0
     nodes = record["placements"]["nodes_checked"]
     print(f"verify: ok: loss rel diff {record['loss']['rel_diff']:.2e}, max grad rel diff "
           f"{record['max_grad_rel_diff']:.2e} (<= {RTOL:g}), {nodes} nodes as planned, "
