@@ -291,9 +291,10 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
         ignored = {p for f, p in new.items() if f not in mine and id(p) not in managed}
         module = model.get_submodule(module_name)
         dims = DataParallelMeshDims(shard=shard or None, replicate=replicate or None)
+        # no shard dim (DDP): FSDP2's replicate-only mesh info refuses a placement fn
         fully_shard(module, mesh=mesh, dp_mesh_dims=dims, mp_policy=mp,
-                    reshard_after_forward=reshard_after_forward, shard_placement_fn=shard_fn,
-                    ignored_params=ignored)
+                    reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=shard_fn if shard else None, ignored_params=ignored)
         # the loss is the global mean: FSDP2 sums the ranks' gradients, each made a
         # partial sum first (:func:`_partial_gradients`)
         module.set_gradient_divide_factor(1.0)
