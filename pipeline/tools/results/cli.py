@@ -4,6 +4,7 @@
     python -m pipeline.tools.results bench results/bench/smoke.parquet
     python -m pipeline.tools.results shapes results/shapes/toy-<h8>/w8-d3/shapes.parquet
     python -m pipeline.tools.results runs results/report/runs.parquet [--columns a,b]
+    python -m pipeline.tools.results loop results/loop/predicted_vs_measured.json
 
 Options: ``--out DIR`` (default ``docs/results``); ``--name NAME`` and ``--title TEXT``
 (the page's file stem and heading; one source only); ``--results DIR`` (where the
@@ -22,19 +23,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pipeline.tools.results.loop import loop_page
 from pipeline.tools.results.page import display_command, write_page
 from pipeline.tools.results.sources import bench_page, discover, runs_page, shapes_page
 
 __all__ = ["main"]
 
-KINDS = ("bench", "shapes", "runs")
+KINDS = ("bench", "shapes", "runs", "loop")
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m pipeline.tools.results",
         description="Write docs/results/<name>.md pages from the tables the tools write: "
-                    "a benchmark table, a mesh-shape table, the report's runs.parquet.")
+                    "a benchmark table, a mesh-shape table, the report's runs.parquet, "
+                    "a predicted-versus-measured sweep (pipeline.verify.sweep).")
     p.add_argument("kind", nargs="?", choices=KINDS,
                    help="the kind of SOURCE; without it, every table under --results")
     p.add_argument("source", nargs="?", type=Path, help="the Parquet table to read")
@@ -87,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 page = bench_page(path, args.name, command, args.title)
             elif kind == "shapes":
                 page = shapes_page(path, args.name, command, args.title)
+            elif kind == "loop":
+                page = loop_page(path, args.name, command, args.title)
             else:
                 page = runs_page(path, args.name, command, columns, args.made_by, args.title)
         except (OSError, ValueError, KeyError) as err:
