@@ -58,8 +58,9 @@ def sweep(meshes: Sequence[str], plans: Sequence[str], overrides: Sequence[str],
             row = {"mesh": mesh, "plan": plan, "verify": record["path"],
                    "seconds": time.perf_counter() - t0,
                    **{k: t.get(k) for k in ("predicted_ms", "median_ms", "min_ms", "max_ms",
-                                            "q1_ms", "q3_ms", "ratio", "steps", "warmup",
-                                            "hardware", "overlap", "load_average", "error")}}
+                                            "q1_ms", "q3_ms", "ratio", "cpu_median_ms",
+                                            "steps", "warmup", "hardware", "overlap",
+                                            "load_average", "error")}}
             rows.append(row)
             print(f"sweep: mesh {mesh} {plan}: predicted {row['predicted_ms']} ms, measured "
                   f"{row['median_ms']} ms (load {t.get('load_average', {}).get('before')})",

@@ -8,7 +8,10 @@ and ``steps`` timed ones. One step is what the cost model prices: ``zero_grad``,
 forward with the loss, ``backward()`` (no optimizer step: the traced joint graph has
 none). Every rank enters a barrier before the step and another after it; the rank's
 time is from leaving the first barrier to the end of its backward (``perf_counter``),
-so the barrier's own latency is not counted.
+so the barrier's own latency is not counted. Beside the wall time, the rank's CPU time
+of the step (``time.process_time``: the time the process ran, all its threads) is
+recorded: wall minus CPU is time the rank did not run (descheduled on a loaded machine,
+or blocked in a collective waiting for a slower rank).
 
 Statistic (:func:`summarise`): a step's time is its slowest rank's (the step ends when
 every rank has finished, as calibrate's collective samples do); reported are the
@@ -51,18 +54,19 @@ def time_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
     inputs = real_inputs(job["model_cfg"], job["seed"])
     parallelize(model, job["plan"], mesh, nodes=job["nodes"],
                 activation_checkpointing=job.get("activation_checkpointing", "none"))
-    times = []
+    times, cpu = [], []
     for i in range(int(job["warmup"]) + int(job["measure"])):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         model.zero_grad(set_to_none=True)
         loss = model(*inputs)
         loss.backward()
-        took = time.perf_counter() - t0
+        took, ran = time.perf_counter() - t0, time.process_time() - c0
         dist.barrier()
         if i >= int(job["warmup"]):
             times.append(took)
-    return {"step_s": times}
+            cpu.append(ran)
+    return {"step_s": times, "cpu_s": cpu}
 
 
 def summarise(per_rank: Sequence[Sequence[float]]) -> dict[str, Any]:
@@ -108,6 +112,8 @@ def timing_record(ranks: Sequence[dict[str, Any]], warmup: int, predicted: dict[
         out["error"] = errors[0]
         return out
     out.update(summarise([r["timing"]["step_s"] for r in ranks]))
+    # per rank, the median CPU time of its steps (ms): the work the rank itself ran
+    out["cpu_median_ms"] = [statistics.median(r["timing"]["cpu_s"]) * 1e3 for r in ranks]
     p = out.get("predicted_ms")
     out["ratio"] = p / out["median_ms"] if p is not None and out["median_ms"] > 0 else None
     return out

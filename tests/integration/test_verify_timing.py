@@ -46,6 +46,7 @@ def test_timing_fields_of_verify_json(tmp_path: Path) -> None:
     assert t["median_ms"] == statistics.median(steps)
     assert (t["min_ms"], t["max_ms"]) == (min(steps), max(steps))
     assert t["min_ms"] <= t["q1_ms"] <= t["median_ms"] <= t["q3_ms"] <= t["max_ms"]
+    assert len(t["cpu_median_ms"]) == 2 and all(c > 0 for c in t["cpu_median_ms"])
     assert t["ratio"] == pytest.approx(t["predicted_ms"] / t["median_ms"], rel=1e-12)
     assert len(t["load_average"]["before"]) == 3 and t["load_average"]["cores"] >= 1
     assert t["profile"]["device"].startswith("cpu")

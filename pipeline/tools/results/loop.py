@@ -28,6 +28,7 @@ LOOP_COLUMNS: tuple[Column, ...] = (
     Column("median_ms", "measured median ms", "num"),
     Column("spread", "min-max ms (IQR)"), Column("ratio", "predicted / median", "num"),
     Column("min_ratio", "predicted / min", "num"), Column("within", "within 25 %"),
+    Column("cpu", "rank CPU ms (median)"),
     Column("load", "load (1 min) before, after"), Column("error", "error"),
 )
 
@@ -53,6 +54,8 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
         if r.get("predicted_ms") is not None:
             out["min_ratio"] = r["predicted_ms"] / r["min_ms"]
             out["within"] = "yes" if abs(r["ratio"] - 1) <= TOLERANCE else "no"
+    if r.get("cpu_median_ms"):
+        out["cpu"] = ", ".join(f"{c:.1f}" for c in r["cpu_median_ms"])
     load = r.get("load_average") or {}
     if load:
         out["load"] = f"{load['before'][0]:.1f}, {load['after'][0]:.1f} on {load['cores']} cores"
