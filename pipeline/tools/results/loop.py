@@ -75,6 +75,7 @@ def loop_page(path: Path, name: str | None, page_command: str,
     ranks = rank_agreement(rows)
     done = [r for r in rows if r.get("within") is not None]
     worst = max((abs(r["ratio"] - 1) for r in done), default=None)
+    factors = [1 / r["ratio"] for r in done if r["ratio"]]
     hardware = sorted({str(r.get("hardware")) for r in rows})
     notes = (
         f"predicted: run.json step_time_us under hardware={','.join(hardware)} (overlap "
@@ -83,7 +84,9 @@ def loop_page(path: Path, name: str | None, page_command: str,
         f"warm-up then {data.get('steps')} timed steps, each step's slowest rank, between "
         "barriers (pipeline/verify/timing.py)",
         f"within 25 %: {sum(r['within'] == 'yes' for r in done)} of {len(done)} plans; "
-        + (f"largest |ratio - 1| {worst:.2f}" if worst is not None else "no plan measured"),
+        + (f"largest |ratio - 1| {worst:.2f}; measured median / predicted from "
+           f"{min(factors):.1f}x to {max(factors):.1f}x" if worst is not None and factors
+           else "no plan measured"),
         "same ranking by prediction and by measured median, per mesh: "
         + ", ".join(f"{m}: {'yes' if ok else 'no'}" for m, ok in ranks.items()),
         "overrides: " + " ".join(data.get("overrides") or []),
