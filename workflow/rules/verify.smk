@@ -3,6 +3,7 @@
 # single-process step; writes verify.json beside the plan.
 #
 #   snakemake verify --config model=toy mesh=2,2
+#   snakemake verify --config model=toy mesh=2 hardware=cpu_epyc2 measure=7   # + timing
 
 rule verify:
     input:
@@ -12,6 +13,7 @@ rule verify:
     params:
         overrides=stage_params("solve"),
         code=stage_code("verify"),
+        measure=["--measure", str(VERIFY_MEASURE)] if VERIFY_MEASURE else [],
     log:
         str(PLAN_DIRS.solve / "verify.log"),
     benchmark:
@@ -19,4 +21,4 @@ rule verify:
     conda:
         CONDA_ENV
     shell:
-        "python -m pipeline.verify {params.overrides:q} > {log:q} 2>&1"
+        "python -m pipeline.verify {params.overrides:q} {params.measure:q} > {log:q} 2>&1"
