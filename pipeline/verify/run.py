@@ -273,7 +273,7 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
         load_before = load_average()
         run_workers(worker, (job,), world, start_method)  # stopped on SIGINT / SIGTERM
         machine_load = {"before": load_before, "after": load_average(),
-                "cores": len(os.sched_getaffinity(0))}
+                        "cores": len(os.sched_getaffinity(0))}
         spawned = time.perf_counter() - start
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
     if interpret:

@@ -37,7 +37,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_WARMUP", "predicted_step", "summarise", "time_rank", "timing_record"]
+__all__ = ["DEFAULT_WARMUP", "load_average", "predicted_step", "summarise", "time_rank",
+           "timing_record"]
 
 #: Untimed steps before the timed ones (first-call allocations, FSDP2 lazy init).
 DEFAULT_WARMUP = 2
