@@ -124,6 +124,16 @@ def pool_size() -> int:
     return int(os.environ.get("PIPELINE_TEST_WORKERS", default))
 
 
+def serial_under_xdist(overrides: Sequence[str]) -> list[str]:
+    """``["workers=1"]`` for a pool job under xdist (two workers, each with its pool
+    process, already fill two cores; ``workers=0`` would add a process per CPU to
+    each), unless ``overrides`` set ``workers``; else nothing. ``workers`` does not enter
+    a run's directories (tests/unit/test_config.py) nor its plan."""
+    if xdist_worker() is None or any(o.startswith("workers=") for o in overrides):
+        return []
+    return ["workers=1"]
+
+
 def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The directory the session's toy results and own jobs live in: the session's base
     temporary directory, or under xdist one directory that every worker of the test run
@@ -432,7 +442,8 @@ class ToyResults:
         """Queue ``(priority, overrides)`` configs (see :class:`Jobs` for the order)."""
         for priority, overrides in configs:
             self.jobs.submit(self.key(overrides),
-                             [sys.executable, "-c", RUN_SCRIPT, str(self.root), *overrides],
+                             [sys.executable, "-c", RUN_SCRIPT, str(self.root),
+                              *overrides, *serial_under_xdist(overrides)],
                              self.cwd, priority=priority, warm=True)
 
     def run(self, *overrides: str) -> ToyRun:
