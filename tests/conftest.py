@@ -10,9 +10,9 @@ once (:mod:`fixtures`). Its order: the quick tests, then the slow ones (marked
 background jobs come after the others, so that the jobs (queued when the session
 starts, in that order) are made while the other tests run. ``--dist loadgroup`` hands
 the workers the tests in that order, one at a time, except that the tests of a module
-that share a module- or class-scoped fixture are one group (``xdist_group``, added by
-tests/support/xdist_groups.py), sent to one worker, so that the fixture's work is done
-once. Markers are declared in pyproject.toml.
+that share a module- or class-scoped fixture are one group (tests/support/xdist_groups.py,
+whose scheduler replaces xdist's own ``loadgroup``), sent to one worker, so that the
+fixture's work is done once. Markers are declared in pyproject.toml.
 
 Layout: tests/unit (one module or formula, by hand or against an oracle),
 tests/integration (stages together, ``python -m pipeline`` runs, the toy runs),
@@ -35,7 +35,8 @@ from fixtures import (
     xdist_worker,
 )
 
-#: The xdist groups of the tests that share a module- or class-scoped fixture.
+#: The xdist groups of the tests that share a module- or class-scoped fixture, and their
+#: scheduler.
 pytest_plugins = ["xdist_groups"]
 
 
