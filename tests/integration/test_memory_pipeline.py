@@ -5,6 +5,10 @@ weights). A limit one byte below that plan's reserved bytes (``(1 +
 memory.reserve_fraction)`` x its liveness peak, the default fraction 0.23) must change
 the plan, which then fits, and costs no less; the exact program with the same row costs at least
 TRW-S's lower bound. Bad values fail with one line, exit 2, nothing written.
+
+The run without a limit is the session's shared toy run (made in the background by the
+pool, copied here); the two runs with a limit are ``python -m pipeline`` runs over the
+copy (they reuse its trace, topology and costs, and write the report over all three).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # the additive objective: these tests are about the fit loop (the step-time search on top
 # of it, pipeline/stages/solve/objective.py, is checked in the last test)
 BASE = ("model=toy", "mesh=8", "constraints.param_memory=null", "solver.objective=additive")
+#: The run without a limit, read from the session's shared toy runs.
+FREE = BASE[1:]
 
 
 def _run(tmp: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -41,10 +47,9 @@ def _record(tmp: Path, *overrides: str) -> tuple[dict, pd.DataFrame]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+def runs(tmp_path_factory: pytest.TempPathFactory, toy_results) -> tuple[Path, int]:
     tmp = tmp_path_factory.mktemp("devmem")
-    proc = _run(tmp)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    toy_results.copy_run(tmp, *FREE)
     free, _ = _record(tmp)
     assert free["memory"]["reserve_fraction"] == 0.23
     assert free["memory"]["reserved_bytes"] == 1.23 * free["memory"]["peak_bytes"]
@@ -57,6 +62,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
     return tmp, limit
 
 
+@pytest.mark.toy_runs(FREE)
 def test_memory_is_recorded_for_every_plan(runs: tuple[Path, int]) -> None:
     tmp, _ = runs
     rec, sol = _record(tmp)
@@ -78,6 +84,7 @@ def test_memory_is_recorded_for_every_plan(runs: tuple[Path, int]) -> None:
             "memory.peak.transient"} <= set(report.columns)
 
 
+@pytest.mark.toy_runs(FREE)
 def test_limit_below_the_peak_changes_the_plan_and_it_fits(runs: tuple[Path, int]) -> None:
     tmp, limit = runs
     free, _ = _record(tmp)
@@ -110,6 +117,7 @@ def test_limit_below_the_peak_changes_the_plan_and_it_fits(runs: tuple[Path, int
     assert exact["objective"] <= approx["objective"] + 1e-6
 
 
+@pytest.mark.toy_runs(FREE)
 def test_unreachable_limit_is_one_line(runs: tuple[Path, int]) -> None:
     tmp, _ = runs
     proc = _run(tmp, "constraints.device_memory=64MiB")

@@ -39,6 +39,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MESHES = ["8", "2x4", "2x4x8"]
+#: Model jobs at a time: 2 also under xdist (the module's tests are one xdist group, on
+#: one worker that waits for these jobs; docs/development.md).
 WORKERS = int(os.environ.get("PIPELINE_TEST_WORKERS", "2"))
 JOB_TIMEOUT = float(os.environ.get("PIPELINE_TEST_JOB_TIMEOUT", "1200"))
 

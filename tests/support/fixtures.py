@@ -20,17 +20,30 @@ filled from the test's parameters (``when=<callable>``: queued only if it return
 at the start of the session); a test module may also declare subprocesses of its own
 (``OWN_JOBS``, :func:`queue_own_jobs`). At the start of the session (conftest.py) every
 job of the selected tests is queued in the session's pool (:class:`Jobs`,
-:data:`WORKERS` at a time, in the order the tests need them), and the tests that read
+:func:`pool_size` at a time, in the order the tests need them), and the tests that read
 jobs run after the others, so that the jobs are made while the other tests run. A
 config nobody declared is made on first use.
 
 The shared directory is read-only for tests: a test that writes (a stage rerun, a
 corrupted artifact, its own report) works on a copy (:meth:`ToyResults.copy_run`) or
 in a fresh directory of its own.
+
+Under pytest-xdist (``-n 2``, docs/development.md) each worker process is a session of
+its own with its own pool (:func:`pool_size` subprocesses: 1 under xdist, so that two
+workers and their pools do not oversubscribe the machine), but the toy results and the
+modules' own jobs live in one directory shared by the workers (:func:`shared_dir`,
+named after the xdist test-run uid), and a job is made once for all of them: a worker
+runs a job under a file lock keyed by the job, writes its result (stdout, stderr,
+seconds) next to the lock, and a worker that comes second reads it (:class:`Jobs`).
+Each worker queues every declared job (it cannot know which tests it will be sent), the
+workers taking turns first (worker ``i`` of ``n`` starts with the jobs whose rank is
+``i`` modulo ``n``), so that while one worker makes a job the other makes another.
 """
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import heapq
 import io
 import itertools
@@ -56,8 +69,8 @@ SUPPORT = Path(__file__).resolve().parent
 ROOT = SUPPORT.parents[1]
 SNAKEFILE = ROOT / "workflow" / "Snakefile"
 
-#: Concurrent pipeline subprocesses (the machine has 2 cores).
-WORKERS = int(os.environ.get("PIPELINE_TEST_WORKERS", "2"))
+#: Priority added to the jobs that are another xdist worker's turn (above any test index).
+OTHER_TURN = 1e9
 #: Safety net per subprocess, seconds.
 JOB_TIMEOUT = float(os.environ.get("PIPELINE_TEST_JOB_TIMEOUT", "1200"))
 #: PYTHONHASHSEED of the shared runs.
@@ -91,6 +104,49 @@ TOY_PARAMS = (
     + [256, 1024 * 256]  # final norm, output
 )
 
+
+
+def xdist_worker() -> tuple[int, int] | None:
+    """(index, count) of this pytest-xdist worker (``gw<index>`` of ``count``), or None
+    outside xdist (the environment variables xdist sets in its workers)."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not name.startswith("gw") or count is None:
+        return None
+    return int(name[2:]), int(count)
+
+
+def pool_size() -> int:
+    """Concurrent pipeline subprocesses of a session's pool: ``PIPELINE_TEST_WORKERS``,
+    else 2 (the machine has 2 cores), 1 per worker under xdist (two workers, each with
+    its own pool)."""
+    default = "1" if xdist_worker() else "2"
+    return int(os.environ.get("PIPELINE_TEST_WORKERS", default))
+
+
+def serial_under_xdist(overrides: Sequence[str]) -> list[str]:
+    """``["workers=1"]`` for a pool job under xdist (two workers, each with its pool
+    process, already fill two cores; ``workers=0`` would add a process per CPU to
+    each), unless ``overrides`` set ``workers``; else nothing. ``workers`` does not enter
+    a run's directories (tests/unit/test_config.py) nor its plan."""
+    if xdist_worker() is None or any(o.startswith("workers=") for o in overrides):
+        return []
+    return ["workers=1"]
+
+
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory the session's toy results and own jobs live in: the session's base
+    temporary directory, or under xdist one directory that every worker of the test run
+    shares: ``shared-<uid>`` (the first 12 characters of the test-run uid xdist hands
+    its workers) beside the workers' own base directories, inside the controller's, so
+    that pytest removes it with them after a passing run."""
+    base = tmp_path_factory.getbasetemp()
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if xdist_worker() is None or not uid:
+        return base
+    path = base.parent / f"shared-{uid[:12]}"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def child_env(seed: str) -> dict[str, str]:
@@ -143,13 +199,28 @@ class JobResult:
 
 
 class Jobs:
-    """Subprocesses of the session, each once per key, run :data:`WORKERS` at a time in
+    """Subprocesses of the session, each once per key, run ``workers`` at a time in
     order of priority (the index of the first test that needs the job; a job a test
     waits for goes first). A ``warm`` job (``python -c <script> <args>``, the session's
     hash seed) runs as a fork of the worker's warm interpreter (:mod:`warm`), which has
-    imported :data:`WARM_MODULES` once."""
+    imported :data:`WARM_MODULES` once.
 
-    def __init__(self, workers: int = WORKERS) -> None:
+    ``shared``: a directory the pools of other processes (xdist workers) share; a job
+    then runs under the lock ``<shared>/jobs/<hash of key>.lock`` and its result is
+    kept in ``<hash of key>.json`` beside it, which a pool that comes second reads
+    instead of running the job. ``turn``: ``(index, count)`` of this worker; the jobs
+    queued with a finite priority are ranked in the order they are first queued, and
+    those of rank ``r`` with ``r % count != index`` wait for the others
+    (:data:`OTHER_TURN`)."""
+
+    def __init__(self, workers: int | None = None, shared: Path | None = None,
+                 turn: tuple[int, int] | None = None) -> None:
+        workers = pool_size() if workers is None else workers
+        self._shared = None if shared is None else shared / "jobs"
+        if self._shared is not None:
+            self._shared.mkdir(parents=True, exist_ok=True)
+        self._turn = turn
+        self._ranked = 0
         self.futures: dict[str, Future] = {}
         self._specs: dict[str, tuple[list[str], Path, str, bool]] = {}
         self._warm: dict[int, WarmPython] = {}  # worker thread id -> its warm interpreter
@@ -175,6 +246,11 @@ class Jobs:
             if key not in self.futures:
                 self.futures[key] = Future()
                 self._specs[key] = (list(argv), cwd, seed, warm)
+                if self._turn is not None and math.isfinite(priority):
+                    index, count = self._turn
+                    if self._ranked % count != index:
+                        priority += OTHER_TURN
+                    self._ranked += 1
             if key not in self._started:
                 heapq.heappush(self._queue, (priority, next(self._seq), key))
                 self._cv.notify()
@@ -201,9 +277,44 @@ class Jobs:
                 self._started.add(key)
             future = self.futures[key]
             try:
-                future.set_result(self._run(key, *self._specs[key]))
+                future.set_result(self._run_once(key))
             except BaseException as err:  # noqa: BLE001 - handed to the test that waits
                 future.set_exception(err)
+
+    def _run_once(self, key: str) -> JobResult:
+        """Job ``key``, or under a shared directory the result another pool made of it
+        (the job runs under its lock and its result is written before the lock is let
+        go; a job that failed leaves no result, and the next pool runs it again)."""
+        if self._shared is None:
+            return self._run(key, *self._specs[key])
+        name = hashlib.sha256(key.encode()).hexdigest()[:20]
+        done = self._shared / f"{name}.json"
+        with self._shared_lock(key, self._shared / f"{name}.lock"):
+            if done.exists():
+                return JobResult(**json.loads(done.read_text()))
+            result = self._run(key, *self._specs[key])
+            tmp = done.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(vars(result)))
+            os.replace(tmp, done)
+            return result
+
+    @contextlib.contextmanager
+    def _shared_lock(self, key: str, path: Path) -> Any:
+        """Hold ``fcntl.flock`` on ``path``; polled, so that a pool closed meanwhile stops
+        waiting (AssertionError)."""
+        with open(path, "a") as fh:
+            while True:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if self._closed:
+                        raise AssertionError(f"job {key}: the pool was closed") from None
+                    time.sleep(0.2)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
     def _run(self, key: str, argv: list[str], cwd: Path, seed: str, warm: bool) -> JobResult:
         if warm:
@@ -303,6 +414,7 @@ class ToyResults:
         self.root = root
         self.jobs = jobs
         self.cwd = root.parent
+        self.cwd.mkdir(parents=True, exist_ok=True)  # the jobs' working directory
         self._resolved: dict[tuple[str, ...], Any] = {}  # spelling -> resolved config
         self._runs: dict[str, ToyRun] = {}  # job key -> the finished run
 
@@ -330,7 +442,8 @@ class ToyResults:
         """Queue ``(priority, overrides)`` configs (see :class:`Jobs` for the order)."""
         for priority, overrides in configs:
             self.jobs.submit(self.key(overrides),
-                             [sys.executable, "-c", RUN_SCRIPT, str(self.root), *overrides],
+                             [sys.executable, "-c", RUN_SCRIPT, str(self.root),
+                              *overrides, *serial_under_xdist(overrides)],
                              self.cwd, priority=priority, warm=True)
 
     def run(self, *overrides: str) -> ToyRun:
@@ -371,8 +484,9 @@ class ToyResults:
 
 
 def own_jobs_dir(tmp_path_factory: pytest.TempPathFactory, module: str) -> Path:
-    """The session's directory for the own jobs of test module ``module``."""
-    path = tmp_path_factory.getbasetemp() / f"own-jobs-{module}"
+    """The session's directory for the own jobs of test module ``module`` (in
+    :func:`shared_dir`: under xdist, the same for every worker)."""
+    path = shared_dir(tmp_path_factory) / f"own-jobs-{module}"
     path.mkdir(exist_ok=True)
     return path
 
