@@ -301,13 +301,21 @@ def run_pipeline(cfg: DictConfig, force: bool = False, report: bool = True) -> P
     one config run each stage once. The report always runs, unless ``report`` is false
     (a job of a sweep: the sweep writes one report at its end, :func:`report_once`).
     """
+    from pipeline.config.pipeline_stage import pipeline_degree, stage_config
+
     dirs = stage_dirs(cfg)
     timer = PhaseTimer()
     done = []
+    # a pipelined run: the stage solve (sub-mesh, one microbatch) runs trace .. solve, then
+    # the solve stage of the pipelined config prices the pipeline from it
+    sub = stage_config(cfg) if pipeline_degree(cfg) > 1 else None
     with timer.phase("wall"):
         for stage in STAGES if report else [s for s in STAGES if s != "report"]:
             with timer.phase(PHASES[stage]):
-                ran = run_stage(stage, cfg, dirs, force=force and stage != "report")
+                if sub is not None and stage != "report":
+                    ran = run_stage(stage, sub, stage_dirs(sub), force=force)
+                if sub is None or stage in ("solve", "report"):
+                    ran = run_stage(stage, cfg, dirs, force=force and stage != "report")
             done.append(f"{stage} {timer.seconds[PHASES[stage]]:.2f} s"
                         + ("" if ran else " (reused)"))
     log.info("stages: %s; wall %.2f s", ", ".join(done), timer.seconds["wall"])

@@ -326,6 +326,12 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     ``redistributions.parquet`` and ``run.json`` (last)."""
     from omegaconf import OmegaConf
 
+    from pipeline.config.pipeline_stage import pipeline_degree
+
+    if pipeline_degree(cfg) > 1:  # priced from its stage solve (docs/pipelining.md)
+        from pipeline.stages.solve.pipelined import run_pipelined
+
+        return run_pipelined(cfg, dirs)
     timer = runtime.PhaseTimer()
     out_dir = Path(dirs.solve)
     with timer.phase("cost_build"):
@@ -422,7 +428,8 @@ def _step_time(cfg: Any, topology: TopologyTables, costs: Costs, cost_model: Any
     entry = step_time_record(simulate(inputs), [str(m) for m in cfg.mesh_names],
                              global_tokens(cfg.model), math.prod(int(m) for m in cfg.mesh))
     return {"step_time_us": entry["step_time_us"], "exposed_comm_us": entry["exposed_comm_us"],
-            "tokens_per_s_per_device": entry["tokens_per_s_per_device"], "step_time": entry}
+            "tokens_per_s_per_device": entry["tokens_per_s_per_device"], "step_time": entry,
+            "_inputs": inputs}
 
 
 def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result: Any,
@@ -534,6 +541,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
         elif status == OPTIMAL:
             record["status"] = HEURISTIC
     memory_cols: dict[str, Any] = {}
+    inputs = record.pop("_inputs")  # the per-layer profile (pipeline/stages/solve/profile.py)
     if costs.memory is not None:
         from pipeline.memory.record import memory_columns, memory_record
 
@@ -548,6 +556,12 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
             record["lower_bound_problem"] = (
                 f"{BOUND_PROBLEM}, with the memory live at {', '.join(cuts)} bounded by the "
                 "device-memory limit (the cuts the liveness check added)")
+    from pipeline.stages.solve.profile import layer_profile
+
+    mem = record.get("memory") or {}
+    record["layer_profile"] = layer_profile(
+        inputs, costs.memory.terms if costs.memory is not None else None, strategy,
+        mem.get("peak_minus_linear_bytes", 0.0))
     if budget is not None:
         from pipeline.memory.budget import used_memory
 

@@ -1,0 +1,119 @@
+"""The per-layer profile of a solved plan: what a pipeline stage built from some of the
+model's layers costs per microbatch (docs/pipelining.md, "Pipelined runs").
+
+The run record's ``layer_profile`` (not flattened into ``runs.parquet``). The plan's
+nodes fall into *segments*: each repeated layer (the ``layer`` column of
+``nodes.parquet``), ``first`` (what precedes the layers in the forward: the embedding,
+and its backward) and ``last`` (the final norm, head and loss, and their backward).
+A node outside every layer is placed by graph order: a forward node before the first
+layer node is ``first``, after the last ``last``; a backward node before the first
+backward layer node is ``last`` (the loss and head backward run first), after it
+``first``. A graph input or weight-derived node (a parameter, its cast) takes the segment
+of its first consumer, an output sink (a gradient) its producer's.
+
+Per segment and phase (``fwd``, ``bwd``), with the plan's own numbers
+(:class:`pipeline.costmodel.steptime.StepInputs`: each node's compute and each
+redistribution's time, the same as the step-time simulation's):
+
+* ``fwd_us`` / ``bwd_us``: the compute of the segment's nodes plus the activation
+  redistributions they wait for (edges of kind ``activation``, by consumer): the time the
+  segment holds the compute stream per microbatch when the FSDP collectives are hidden;
+* ``gather_us``: the weight edges (FSDP all-gathers) read by the segment, by consumer;
+* ``reduce_us``: the gradient edges (reduce-scatters, all-reduces) by producer;
+* ``bytes``: the linear memory terms of its nodes by kind
+  (:data:`pipeline.memory.terms.KINDS`).
+
+``transient_bytes`` is the plan's liveness peak less its linear terms
+(``peak_minus_linear_bytes``, at least 0): the transients of the op at the peak, which
+one layer's ops set, so every stage is charged it once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from pipeline.costmodel.steptime import StepInputs, classify
+
+__all__ = ["SEGMENT_FIELDS", "layer_profile"]
+
+#: Per-segment fields (microseconds; ``bytes`` is a dict by kind).
+SEGMENT_FIELDS = ("fwd_us", "bwd_us", "gather_us", "reduce_us")
+
+
+def _layer_key(name: str) -> tuple[int, str]:
+    m = re.search(r"(\d+)$", name)
+    return (int(m.group(1)) if m else -1, name)
+
+
+def segments(g: StepInputs) -> list[str]:
+    """Each node's segment (module docstring)."""
+    n = len(g.names)
+    ins: list[list[int]] = [[] for _ in range(n)]
+    outs: list[list[int]] = [[] for _ in range(n)]
+    for u, v in g.edges:
+        ins[v].append(u)
+        outs[u].append(v)
+    placed = [not (g.placeholder[i] or g.weight_derived[i] or g.sink[i]) for i in range(n)]
+    first_layer = {ph: next((i for i in range(n)
+                             if placed[i] and g.phase[i] == ph and g.layer[i]), n)
+                   for ph in ("fwd", "bwd")}
+    seg: list[str | None] = [None] * n
+    for i in range(n):
+        if g.layer[i]:
+            seg[i] = g.layer[i]
+        elif placed[i]:
+            before = i < first_layer.get(g.phase[i], n)
+            seg[i] = ("first" if before else "last") if g.phase[i] == "fwd" else (
+                "last" if before else "first")
+    for i in range(n):  # sinks: their producer's
+        if seg[i] is None and g.sink[i] and ins[i]:
+            seg[i] = seg[ins[i][0]]
+    for i in range(n - 1, -1, -1):  # inputs and weight-derived nodes: their first consumer's
+        if seg[i] is None:
+            known = [v for v in sorted(outs[i]) if seg[v] is not None]
+            seg[i] = seg[known[0]] if known else "first"
+    return [str(s) for s in seg]
+
+
+def layer_profile(g: StepInputs, terms: Any, strategy: np.ndarray,
+                  transient_bytes: float) -> dict[str, Any]:
+    """The ``layer_profile`` entry (module docstring).
+
+    Args:
+        g: the plan's simulator inputs (:func:`pipeline.costmodel.steptime.plan_step_inputs`).
+        terms: the memory model's :class:`pipeline.memory.terms.LinearTerms` (None: no
+            memory model, every ``bytes`` empty).
+        strategy: the plan, per node.
+        transient_bytes: ``peak_minus_linear_bytes`` of the plan's memory record.
+    """
+    seg = segments(g)
+    edge_kind = classify(g).edge_kind
+    names = sorted({s for s in seg if s not in ("first", "last")}, key=_layer_key)
+    keys = ["first", *names, "last"]
+    out: dict[str, dict[str, Any]] = {
+        k: {**{f: 0.0 for f in SEGMENT_FIELDS}, "bytes": {}} for k in keys}
+    for i, us in enumerate(g.compute_us):
+        out[seg[i]]["fwd_us" if g.phase[i] == "fwd" else "bwd_us"] += float(us)
+    for e, (u, v) in enumerate(g.edges):
+        us = float(sum(t for _, t in g.steps[e]))
+        if us == 0.0:
+            continue
+        kind = edge_kind[e]
+        if kind == "activation":
+            out[seg[v]]["fwd_us" if g.phase[v] == "fwd" else "bwd_us"] += us
+        elif kind == "weight":
+            out[seg[v]]["gather_us"] += us
+        else:
+            out[seg[u]]["reduce_us"] += us
+    if terms is not None:
+        for kind, rows in terms.terms.items():
+            for v, c in rows:
+                b = out[seg[v]]["bytes"]
+                b[kind] = b.get(kind, 0.0) + float(c[int(strategy[v])])
+    return {"layers": names, "first": out["first"], "last": out["last"],
+            "per_layer": {f: [out[k][f] for k in names] for f in SEGMENT_FIELDS}
+            | {"bytes": [out[k]["bytes"] for k in names]},
+            "transient_bytes": max(0.0, float(transient_bytes))}
