@@ -9,10 +9,12 @@ it as they split the full batch, so each device traces ``local batch / microbatc
 model.microbatches`` samples per pipeline: the microbatch torch.distributed.pipelining
 runs). The placement texts of ``constraints`` (``inputs``, ``outputs``, each node pin) lose
 their first token (the ``pp`` dim's: a stage's tensors are never split over the
-pipeline), the parameter-memory bound defaults to the sub-mesh's ``1 / prod(sub-mesh)``
-and the pipeline keys go back to their defaults. Solved once per distinct sub-mesh and
-microbatch (the repeated-layer grouping makes one solve of the whole model price every
-layer: pipeline/stages/solve/profile.py).
+pipeline), ``constraints.device_memory`` is dropped (the whole model on the sub-mesh
+is not what a device holds: it bounds every pipeline rank's peak instead,
+pipeline/stages/solve/pipelined.py), the parameter-memory bound defaults to the
+sub-mesh's ``1 / prod(sub-mesh)`` and the pipeline keys go back to their defaults.
+Solved once per distinct sub-mesh and microbatch (the repeated-layer grouping makes one
+solve of the whole model price every layer: pipeline/stages/solve/profile.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from pipeline.config.pipelining import PP_DIM
 from pipeline.config.schema import ConfigError
 from pipeline.config.validate import resolve
-from pipeline.core.placement_text import drop_first_token
+from pipeline.core.placement_text import drop_first_token, tokenize
 
 __all__ = ["pipeline_degree", "stage_config"]
 
@@ -41,9 +43,14 @@ def _sub(text: str | None, key: str) -> str | None:
     if text is None:
         return None
     try:
-        return drop_first_token(str(text))
+        first = tokenize(str(text))[0]
+        rest = drop_first_token(str(text))
     except ValueError as err:
         raise ConfigError(f"{key}={text}: {err}") from None
+    if not first.is_replicate():
+        raise ConfigError(f"{key}={text}: a pipeline stage's tensors are not split over the "
+                          f"{PP_DIM} dim; allowed R as its (first) token")
+    return rest
 
 
 def stage_config(cfg: DictConfig) -> DictConfig:
@@ -70,6 +77,7 @@ def stage_config(cfg: DictConfig) -> DictConfig:
     out["pipeline"] = {"schedule": "1f1b", "microbatches": "auto", "virtual_stages": 1,
                        "split": "auto"}
     c = out["constraints"]
+    c["device_memory"] = None  # bounds each pipeline rank (stages/solve/pipelined.py)
     if len(mesh) == 1:  # one device: every placement is R
         c["inputs"] = c["outputs"] = None
         c["nodes"] = []

@@ -85,9 +85,12 @@ def preflight_trace(cfg: DictConfig) -> None:
     """
     from omegaconf import OmegaConf
 
+    from pipeline.config.pipeline_stage import pipeline_degree, stage_config
     from pipeline.config.validate import check_input_sharding
     from pipeline.models import ModelError, preflight
 
+    if pipeline_degree(cfg) > 1:  # the stage solve's config (sub-mesh, one microbatch)
+        cfg = stage_config(cfg)
     if cfg.get("recipe") is None:  # a recipe places the inputs itself
         check_input_sharding(cfg, list(cfg.mesh), list(cfg.mesh_names))
     if sentinel(stage_dirs(cfg), "trace").exists():

@@ -11,9 +11,7 @@ sums its segments: ``fwd_us`` / ``bwd_us`` (compute and activation redistributio
 microbatch), ``gather_us`` (its FSDP all-gathers), ``reduce_us`` (its gradient
 reductions, once per step), ``state_bytes`` (parameters, gradients, optimizer state,
 buffers), ``activation_bytes`` (saved activations of one microbatch),
-``unsharded_param_bytes`` (its gathered weights), ``unsharded_grad_bytes`` (the gathered
-weights in the reduce dtype: the gradient FSDP2 accumulates unsharded between
-microbatches; 0 when nothing is gathered) and the plan's op transient
+``unsharded_param_bytes`` and ``unsharded_grad_bytes`` (below) and the plan's op transient
 (``transient_bytes``). The boundary sends are :func:`~pipeline.costmodel.pipelining.p2p_us`
 of one device's hidden state ``[microbatch, seq_len, dim]`` (the pp dim's link; a send of
 interleaved 1F1B from the last rank back to the first is priced as the slowest boundary).
@@ -21,6 +19,17 @@ Then :func:`~pipeline.costmodel.pipelining.pipelined_step` simulates the schedul
 under torch's schedules with ``fsdp.reshard_after_forward``) and gives each rank's peak;
 ``constraints.device_memory`` bounds every rank's reserved bytes
 (``(1 + memory.reserve_fraction) x peak``).
+
+**Unsharded parameters and gradients.** Under pipelining FSDP2 keeps a stage's
+gradients unsharded between microbatches (reduce dtype) and, with
+``fsdp.reshard_after_forward=false``, its parameters gathered (param dtype). For a stage
+whose plan gathers weights (``gather_us > 0``) they are taken as sharded over the
+data-parallel dims of the sub-mesh (FSDP's dims, degree ``d``): unsharded gradient bytes
+``= d x gradients`` (the memory model's gradient term is the local shard in the reduce
+dtype), unsharded parameter bytes ``= d x parameters x itemsize(param_dtype) / 4`` (the
+parameter term is the float32 storage shard; FSDP2 gathers in ``param_dtype``), or the
+memory model's own ``gathered_weights`` term when it has one; 0 for a stage that gathers
+nothing. Tensor-parallel shards stay sharded.
 
 ``tokens_per_s_per_device = model.batch_size x seq_len / world size / step``.
 """
@@ -54,13 +63,13 @@ def _segments(profile: dict[str, Any], lo: int, hi: int, first: bool,
 
 
 def stage_costs(profile: dict[str, Any], split: list[int], param_dtype: str,
-                reduce_dtype: str) -> list[StageCost]:
+                fsdp_degree: int) -> list[StageCost]:
     """Each stage's cost from the layer profile (module docstring)."""
     n = len(split) - 1
     if len(profile["layers"]) != split[-1]:
         raise PlanError(f"pipeline.split={split}: the stage solve profiled "
                         f"{len(profile['layers'])} layers; allowed a split of them")
-    scale = itemsize(reduce_dtype) / itemsize(param_dtype)
+    scale = int(fsdp_degree) * itemsize(param_dtype) / 4
     out = []
     for s in range(n):
         segs = _segments(profile, split[s], split[s + 1], s == 0, s == n - 1)
@@ -71,13 +80,15 @@ def stage_costs(profile: dict[str, Any], split: list[int], param_dtype: str,
         def kind(k: str, segs: list[dict[str, Any]] = segs) -> float:
             return math.fsum(float(x["bytes"].get(k, 0.0)) for x in segs)
 
-        gathered = kind("gathered_weights")
+        gathers = total("gather_us") > 0
+        gathered = kind("gathered_weights") or (kind("parameters") * scale if gathers else 0.0)
+        grads = kind("gradients") * int(fsdp_degree) if gathers else 0.0
         out.append(StageCost(
             fwd_us=total("fwd_us"), bwd_us=total("bwd_us"),
             state_bytes=math.fsum(kind(k) for k in STATE_KINDS),
             activation_bytes=kind("saved_activations"),
             transient_bytes=float(profile["transient_bytes"]),
-            unsharded_param_bytes=gathered, unsharded_grad_bytes=gathered * scale,
+            unsharded_param_bytes=gathered, unsharded_grad_bytes=grads,
             gather_us=total("gather_us"), reduce_us=total("reduce_us")))
     return out
 
@@ -107,7 +118,7 @@ def _sends(cfg: Any, stage_batch: int, stages: int, p: int) -> list[float]:
 
 
 def pipelined_record(cfg: Any, stage_record: dict[str, Any], local_microbatch: int,
-                     stage_solves: int) -> dict[str, Any]:
+                     fsdp_degree: int, stage_solves: int) -> dict[str, Any]:
     """The run record's ``pipeline`` section and top-level step fields of a pipelined
     run (module docstring): ``{"pipeline": {...}, "step_time_us", ...}``.
 
@@ -115,6 +126,7 @@ def pipelined_record(cfg: Any, stage_record: dict[str, Any], local_microbatch: i
         cfg: the resolved pipelined config.
         stage_record: the stage solve's ``run.json``.
         local_microbatch: samples of one microbatch on one device's pipeline.
+        fsdp_degree: the data-parallel degree of the sub-mesh (module docstring).
         stage_solves: stage solves this run used (one per distinct sub-mesh and
             microbatch).
 
@@ -128,8 +140,7 @@ def pipelined_record(cfg: Any, stage_record: dict[str, Any], local_microbatch: i
     m, v = int(cfg.pipeline.microbatches), int(cfg.pipeline.virtual_stages)
     schedule = str(cfg.pipeline.schedule)
     split = [int(b) for b in cfg.pipeline.split]
-    costs = stage_costs(profile, split, str(cfg.model.param_dtype),
-                        str(cfg.model.reduce_dtype))
+    costs = stage_costs(profile, split, str(cfg.model.param_dtype), fsdp_degree)
     sends = _sends(cfg, local_microbatch, len(costs), p)
     step = pipelined_step(schedule, costs, p, m, virtual_stages=v, act_send_us=sends,
                           reshard_after_forward=bool(cfg.fsdp.reshard_after_forward))
@@ -212,8 +223,9 @@ def run_pipelined(cfg: Any, dirs: Any) -> None:
         raise PlanError(f"{src}: the stage solve of this pipelined run has not run; run "
                         "python -m pipeline with the same overrides (it runs it first)")
     stage_record = json.loads(src.read_text())
-    local_mb = int(sub.model.batch_size) // _data_parallel(sub)
-    fields = pipelined_record(cfg, stage_record, local_mb, stage_solves=1)
+    dp = _data_parallel(sub)
+    fields = pipelined_record(cfg, stage_record, int(sub.model.batch_size) // dp, dp,
+                              stage_solves=1)
     out_dir = Path(dirs.solve)
     out_dir.mkdir(parents=True, exist_ok=True)
     for art in (SOLUTION, REDISTRIBUTIONS):
