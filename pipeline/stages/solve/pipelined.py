@@ -44,7 +44,8 @@ from pipeline.core.errors import PlanError
 from pipeline.costmodel.pipelining import StageCost, boundary_bytes, p2p_us, pipelined_step
 from pipeline.costmodel.schedules import closed_form_bubble
 
-__all__ = ["STATE_KINDS", "pipelined_record", "run_pipelined", "stage_costs", "stage_modules"]
+__all__ = ["STATE_KINDS", "data_parallel_degree", "pipelined_record", "run_pipelined",
+           "stage_costs", "stage_modules"]
 
 #: Memory kinds that stay for the whole step (the stage's state).
 STATE_KINDS = ("parameters", "gradients", "optimizer_state", "buffers")
@@ -223,7 +224,7 @@ def run_pipelined(cfg: Any, dirs: Any) -> None:
         raise PlanError(f"{src}: the stage solve of this pipelined run has not run; run "
                         "python -m pipeline with the same overrides (it runs it first)")
     stage_record = json.loads(src.read_text())
-    dp = _data_parallel(sub)
+    dp = data_parallel_degree(sub)
     fields = pipelined_record(cfg, stage_record, int(sub.model.batch_size) // dp, dp,
                               stage_solves=1)
     out_dir = Path(dirs.solve)
@@ -263,7 +264,7 @@ def run_pipelined(cfg: Any, dirs: Any) -> None:
     artifacts.write_json(RUN, out_dir, record)
 
 
-def _data_parallel(sub: Any) -> int:
+def data_parallel_degree(sub: Any) -> int:
     """The data-parallel degree of the stage config (its batch over the dims that split
     it)."""
     from pipeline.config.pipelining import data_parallel_dims
