@@ -87,8 +87,7 @@ def main() -> None:
                           f"{mem:.1f} GiB (stage solve {took:.0f} s)")
                     continue
                 dp = data_parallel_degree(sub)
-                rows = search_pipeline(cfg, rec, int(sub.model.batch_size) // dp, dp,
-                                       CANDIDATES)
+                rows = search_pipeline(cfg, rec, int(sub.model.batch_size) // dp, CANDIDATES)
                 for row in rows:
                     head = (f"pp {pp} mesh {'x'.join(map(str, cfg.mesh))} m {m} "
                             f"(microbatch {mb}) {row['schedule']} v {row['virtual_stages']}")

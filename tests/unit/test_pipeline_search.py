@@ -54,36 +54,44 @@ def test_layer_profile_by_hand():
         terms = {"parameters": [(0, np.array([100.0])), (2, np.array([40.0]))],
                  "saved_activations": [(3, np.array([9.0]))]}
 
-    prof = layer_profile(_inputs(), Terms(), np.zeros(len(NODES), dtype=np.int64), 11.0)
+    # the gathered bytes: the input of the one weight edge (p_l0 -> l0), 64 bytes
+    edge_bytes = [64.0 if e == (2, 3) else 1.0 for e in EDGES]
+    prof = layer_profile(_inputs(), Terms(), np.zeros(len(NODES), dtype=np.int64), 11.0,
+                         edge_bytes)
     assert prof["layers"] == ["layers.0"]
     assert prof["first"] == {"fwd_us": 2.0, "bwd_us": 3.0, "gather_us": 0.0,
-                             "reduce_us": 7.0, "bytes": {"parameters": 100.0}}
+                             "reduce_us": 7.0, "bytes": {"parameters": 100.0},
+                             "gathered_bytes": 0.0}
     assert prof["last"] == {"fwd_us": 5.0, "bwd_us": 8.0, "gather_us": 0.0,
-                            "reduce_us": 0.0, "bytes": {}}
+                            "reduce_us": 0.0, "bytes": {}, "gathered_bytes": 0.0}
     assert prof["per_layer"] == {"fwd_us": [13.0], "bwd_us": [20.0], "gather_us": [5.0],
-                                 "reduce_us": [0.0],
+                                 "reduce_us": [0.0], "gathered_bytes": [64.0],
                                  "bytes": [{"parameters": 40.0, "saved_activations": 9.0}]}
     assert prof["transient_bytes"] == 11.0
 
 
 def _profile(layers: int, t_fwd: float, t_bwd: float, first: float, last: float,
-             act: float = 1.0) -> dict:
-    seg = {"gather_us": 0.0, "reduce_us": 0.0, "bytes": {}}
+             act: float = 1.0, gathered: float = 0.0) -> dict:
+    seg = {"gather_us": 0.0, "reduce_us": 0.0, "bytes": {}, "gathered_bytes": 0.0}
     return {"layers": [f"layers.{i}" for i in range(layers)],
             "first": {**seg, "fwd_us": first, "bwd_us": 0.0},
             "last": {**seg, "fwd_us": last, "bwd_us": 0.0},
             "per_layer": {"fwd_us": [t_fwd] * layers, "bwd_us": [t_bwd] * layers,
                           "gather_us": [0.0] * layers, "reduce_us": [0.0] * layers,
+                          "gathered_bytes": [gathered] * layers,
                           "bytes": [{"parameters": 10.0, "saved_activations": act}] * layers},
             "transient_bytes": 0.0}
 
 
 def test_stage_costs_and_modules():
-    prof = _profile(4, 4.0, 6.0, 15.0, 2.0)
-    costs = stage_costs(prof, [0, 1, 4], "bfloat16", 1)
+    prof = _profile(4, 4.0, 6.0, 15.0, 2.0, gathered=8.0)
+    costs = stage_costs(prof, [0, 1, 4], "bfloat16", "float32")
     assert [(c.fwd_us, c.bwd_us) for c in costs] == [(19.0, 6.0), (14.0, 18.0)]
     assert [c.state_bytes for c in costs] == [10.0, 30.0]
     assert [c.activation_bytes for c in costs] == [1.0, 3.0]
+    # gathered parameters (bf16) and the gradient accumulated unsharded in float32
+    assert [c.unsharded_param_bytes for c in costs] == [8.0, 24.0]
+    assert [c.unsharded_grad_bytes for c in costs] == [16.0, 48.0]
     assert stage_modules(prof, [0, 1, 4]) == [
         ["tok_embeddings", "layers.0"], ["layers.1", "layers.2", "layers.3", "norm", "output"]]
 
@@ -104,7 +112,7 @@ def test_search_split_by_hand():
                          "pipeline.schedule=gpipe"])
     record = {"layer_profile": _profile(4, 4.0, 6.0, 15.0, 0.0), "mesh": "1",
               "mesh_names": ["dp"], "solve_dir": "x", "step_time_us": 0.0}
-    rows = search_pipeline(cfg, record, 4, 1, [("gpipe", 1), ("interleaved_1f1b", 2)])
+    rows = search_pipeline(cfg, record, 4, [("gpipe", 1), ("interleaved_1f1b", 2)])
     by = {r["schedule"]: r for r in rows}
     assert by["gpipe"]["split"] == [0, 1, 4] and by["gpipe"]["fits"]
     assert by["gpipe"]["record"]["pipeline"]["split"] == [0, 1, 4]
@@ -115,6 +123,6 @@ def test_search_split_by_hand():
     tiny = load_resolved(["model=toy", "mesh=2", "mesh_names=[pp]", "pipeline.microbatches=4",
                           "pipeline.schedule=gpipe", "constraints.device_memory=10",
                           "memory.reserve_fraction=0"])
-    rows = search_pipeline(tiny, record, 4, 1, [("gpipe", 1)])
+    rows = search_pipeline(tiny, record, 4, [("gpipe", 1)])
     assert rows[0]["why"] == "no split fits the device memory"
     assert rows[0]["record"] is None and not rows[0]["fits"]

@@ -12,7 +12,8 @@ Alpa's latency ``sum t_s + (m - 1) max t_s``) with
 * ``fits(s, n)``: stage ``s`` with ``n`` mean layers, holding the most microbatches in
   flight its rank's order gives it (:func:`stage_in_flight`: GPipe ``m``, 1F1B ``p -
   s``, interleaved per virtual stage), its state, the transient and the unsharded FSDP
-  buffers, reserved ``(1 + memory.reserve_fraction) x`` within the device's memory
+  parameters and gradients (``gathered_bytes``, pipeline/stages/solve/pipelined.py),
+  reserved ``(1 + memory.reserve_fraction) x`` within the device's memory
   (``constraints.device_memory``, else the hardware's ``device_memory_bytes``).
 
 The DP's split is then priced exactly (:func:`pipeline.stages.solve.pipelined.
@@ -29,6 +30,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from pipeline.core.dtypes import itemsize
 from pipeline.core.errors import PlanError
 from pipeline.costmodel.pipeline_split import best_split
 from pipeline.costmodel.schedules import check_schedule, rank_orders
@@ -61,8 +63,8 @@ def _limit(cfg: Any) -> float:
     return raw / (1.0 + float(cfg.memory.get("reserve_fraction", 0.0) or 0.0))
 
 
-def _dp_split(profile: dict[str, Any], cfg: Any, p: int, m: int, schedule: str, v: int,
-              fsdp_degree: int) -> list[int] | None:
+def _dp_split(profile: dict[str, Any], cfg: Any, p: int, m: int, schedule: str,
+              v: int) -> list[int] | None:
     per = profile["per_layer"]
     L = len(profile["layers"])
     t_layer = _mean([f + b for f, b in zip(per["fwd_us"], per["bwd_us"])])
@@ -79,11 +81,8 @@ def _dp_split(profile: dict[str, Any], cfg: Any, p: int, m: int, schedule: str, 
 
     layer_state = _mean([kind({"bytes": b}, STATE_KINDS) for b in per["bytes"]])
     layer_act = _mean([kind({"bytes": b}, ("saved_activations",)) for b in per["bytes"]])
-    gathers = any(g > 0 for g in per["gather_us"])
-    scale = fsdp_degree * 2 / 4  # bf16 gathered copies of float32 shards (pipelined.py)
-    layer_unsharded = (_mean([kind({"bytes": b}, ("parameters",)) * scale
-                              + kind({"bytes": b}, ("gradients",)) * fsdp_degree
-                              for b in per["bytes"]]) if gathers else 0.0)
+    scale = 1 + itemsize(str(cfg.model.reduce_dtype)) / itemsize(str(cfg.model.param_dtype))
+    layer_unsharded = _mean(per["gathered_bytes"]) * scale  # parameters + gradients
     flights = stage_in_flight(schedule, p, m, v)
     limit = _limit(cfg)
     S = p * v
@@ -93,7 +92,8 @@ def _dp_split(profile: dict[str, Any], cfg: Any, p: int, m: int, schedule: str, 
         extra += [profile["last"]] if s == S - 1 else []
         state = n * layer_state + sum(kind(e, STATE_KINDS) for e in extra)
         act = n * layer_act + sum(kind(e, ("saved_activations",)) for e in extra)
-        return (state + flights[s] * act + n * layer_unsharded
+        unsharded = n * layer_unsharded + sum(float(e["gathered_bytes"]) for e in extra) * scale
+        return (state + flights[s] * act + unsharded
                 + float(profile["transient_bytes"])) <= limit
 
     found = best_split(L, S, m, stage_time, fits)
@@ -101,7 +101,7 @@ def _dp_split(profile: dict[str, Any], cfg: Any, p: int, m: int, schedule: str, 
 
 
 def search_pipeline(cfg: Any, stage_record: dict[str, Any], local_microbatch: int,
-                    fsdp_degree: int, candidates: list[tuple[str, int]],
+                    candidates: list[tuple[str, int]],
                     stage_solves: int = 1) -> list[dict[str, Any]]:
     """Each candidate ``(schedule, virtual stages)`` with its DP split priced (module
     docstring), best (smallest simulated step among those that fit) first.
@@ -124,7 +124,7 @@ def search_pipeline(cfg: Any, stage_record: dict[str, Any], local_microbatch: in
         if p * v > len(profile["layers"]):
             row["why"] = f"{p * v} stages, more than the {len(profile['layers'])} layers"
             continue
-        split = _dp_split(profile, cfg, p, m, schedule, v, fsdp_degree)
+        split = _dp_split(profile, cfg, p, m, schedule, v)
         if split is None:
             row["why"] = "no split fits the device memory"
             continue
@@ -135,8 +135,7 @@ def search_pipeline(cfg: Any, stage_record: dict[str, Any], local_microbatch: in
         c.constraints.device_memory = cfg.constraints.get("device_memory") or int(
             cfg.hardware.device_memory_bytes)
         try:
-            row["record"] = pipelined_record(c, stage_record, local_microbatch, fsdp_degree,
-                                             stage_solves)
+            row["record"] = pipelined_record(c, stage_record, local_microbatch, stage_solves)
             row["fits"] = True
         except PlanError as err:
             row["why"] = str(err)

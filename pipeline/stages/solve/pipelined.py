@@ -21,15 +21,12 @@ under torch's schedules with ``fsdp.reshard_after_forward``) and gives each rank
 (``(1 + memory.reserve_fraction) x peak``).
 
 **Unsharded parameters and gradients.** Under pipelining FSDP2 keeps a stage's
-gradients unsharded between microbatches (reduce dtype) and, with
-``fsdp.reshard_after_forward=false``, its parameters gathered (param dtype). For a stage
-whose plan gathers weights (``gather_us > 0``) they are taken as sharded over the
-data-parallel dims of the sub-mesh (FSDP's dims, degree ``d``): unsharded gradient bytes
-``= d x gradients`` (the memory model's gradient term is the local shard in the reduce
-dtype), unsharded parameter bytes ``= d x parameters x itemsize(param_dtype) / 4`` (the
-parameter term is the float32 storage shard; FSDP2 gathers in ``param_dtype``), or the
-memory model's own ``gathered_weights`` term when it has one; 0 for a stage that gathers
-nothing. Tensor-parallel shards stay sharded.
+gradients unsharded between microbatches (in the reduce dtype) and, with
+``fsdp.reshard_after_forward=false``, its parameters gathered. Both have the shape of
+what the stage's all-gathers produce, the profile's ``gathered_bytes`` (the consumers'
+inputs in the compute dtype ``param_dtype``; tensor-parallel shards stay sharded):
+``unsharded_param_bytes = gathered_bytes``, ``unsharded_grad_bytes = gathered_bytes x
+itemsize(reduce_dtype) / itemsize(param_dtype)``; 0 for a stage that gathers nothing.
 
 ``tokens_per_s_per_device = model.batch_size x seq_len / world size / step``.
 """
@@ -54,7 +51,8 @@ STATE_KINDS = ("parameters", "gradients", "optimizer_state", "buffers")
 def _segments(profile: dict[str, Any], lo: int, hi: int, first: bool,
               last: bool) -> list[dict[str, Any]]:
     per = profile["per_layer"]
-    out = [{f: per[f][i] for f in ("fwd_us", "bwd_us", "gather_us", "reduce_us")}
+    out = [{f: per[f][i] for f in ("fwd_us", "bwd_us", "gather_us", "reduce_us",
+                                    "gathered_bytes")}
            | {"bytes": per["bytes"][i]} for i in range(lo, hi)]
     if first:
         out.append(profile["first"])
@@ -64,13 +62,13 @@ def _segments(profile: dict[str, Any], lo: int, hi: int, first: bool,
 
 
 def stage_costs(profile: dict[str, Any], split: list[int], param_dtype: str,
-                fsdp_degree: int) -> list[StageCost]:
+                reduce_dtype: str) -> list[StageCost]:
     """Each stage's cost from the layer profile (module docstring)."""
     n = len(split) - 1
     if len(profile["layers"]) != split[-1]:
         raise PlanError(f"pipeline.split={split}: the stage solve profiled "
                         f"{len(profile['layers'])} layers; allowed a split of them")
-    scale = int(fsdp_degree) * itemsize(param_dtype) / 4
+    scale = itemsize(reduce_dtype) / itemsize(param_dtype)
     out = []
     for s in range(n):
         segs = _segments(profile, split[s], split[s + 1], s == 0, s == n - 1)
@@ -81,15 +79,13 @@ def stage_costs(profile: dict[str, Any], split: list[int], param_dtype: str,
         def kind(k: str, segs: list[dict[str, Any]] = segs) -> float:
             return math.fsum(float(x["bytes"].get(k, 0.0)) for x in segs)
 
-        gathers = total("gather_us") > 0
-        gathered = kind("gathered_weights") or (kind("parameters") * scale if gathers else 0.0)
-        grads = kind("gradients") * int(fsdp_degree) if gathers else 0.0
+        gathered = total("gathered_bytes")
         out.append(StageCost(
             fwd_us=total("fwd_us"), bwd_us=total("bwd_us"),
             state_bytes=math.fsum(kind(k) for k in STATE_KINDS),
             activation_bytes=kind("saved_activations"),
             transient_bytes=float(profile["transient_bytes"]),
-            unsharded_param_bytes=gathered, unsharded_grad_bytes=grads,
+            unsharded_param_bytes=gathered, unsharded_grad_bytes=gathered * scale,
             gather_us=total("gather_us"), reduce_us=total("reduce_us")))
     return out
 
@@ -119,7 +115,7 @@ def _sends(cfg: Any, stage_batch: int, stages: int, p: int) -> list[float]:
 
 
 def pipelined_record(cfg: Any, stage_record: dict[str, Any], local_microbatch: int,
-                     fsdp_degree: int, stage_solves: int) -> dict[str, Any]:
+                     stage_solves: int) -> dict[str, Any]:
     """The run record's ``pipeline`` section and top-level step fields of a pipelined
     run (module docstring): ``{"pipeline": {...}, "step_time_us", ...}``.
 
@@ -127,7 +123,6 @@ def pipelined_record(cfg: Any, stage_record: dict[str, Any], local_microbatch: i
         cfg: the resolved pipelined config.
         stage_record: the stage solve's ``run.json``.
         local_microbatch: samples of one microbatch on one device's pipeline.
-        fsdp_degree: the data-parallel degree of the sub-mesh (module docstring).
         stage_solves: stage solves this run used (one per distinct sub-mesh and
             microbatch).
 
@@ -141,7 +136,8 @@ def pipelined_record(cfg: Any, stage_record: dict[str, Any], local_microbatch: i
     m, v = int(cfg.pipeline.microbatches), int(cfg.pipeline.virtual_stages)
     schedule = str(cfg.pipeline.schedule)
     split = [int(b) for b in cfg.pipeline.split]
-    costs = stage_costs(profile, split, str(cfg.model.param_dtype), fsdp_degree)
+    costs = stage_costs(profile, split, str(cfg.model.param_dtype),
+                        str(cfg.model.reduce_dtype))
     sends = _sends(cfg, local_microbatch, len(costs), p)
     step = pipelined_step(schedule, costs, p, m, virtual_stages=v, act_send_us=sends,
                           reshard_after_forward=bool(cfg.fsdp.reshard_after_forward))
@@ -225,7 +221,7 @@ def run_pipelined(cfg: Any, dirs: Any) -> None:
                         "python -m pipeline with the same overrides (it runs it first)")
     stage_record = json.loads(src.read_text())
     dp = data_parallel_degree(sub)
-    fields = pipelined_record(cfg, stage_record, int(sub.model.batch_size) // dp, dp,
+    fields = pipelined_record(cfg, stage_record, int(sub.model.batch_size) // dp,
                               stage_solves=1)
     out_dir = Path(dirs.solve)
     out_dir.mkdir(parents=True, exist_ok=True)

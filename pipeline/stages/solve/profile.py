@@ -21,7 +21,12 @@ redistribution's time, the same as the step-time simulation's):
 * ``gather_us``: the weight edges (FSDP all-gathers) read by the segment, by consumer;
 * ``reduce_us``: the gradient edges (reduce-scatters, all-reduces) by producer;
 * ``bytes``: the linear memory terms of its nodes by kind
-  (:data:`pipeline.memory.terms.KINDS`).
+  (:data:`pipeline.memory.terms.KINDS`);
+* ``gathered_bytes``: what its FSDP all-gathers produce: for each tensor whose weight
+  edges redistribute (a parameter or its cast), the largest consumer input it is
+  gathered to, local bytes under the consumer's placement (:func:`edge_input_bytes`),
+  in the segment of its first such consumer. It is what FSDP2 holds unsharded for the
+  segment (the gathered parameters; the accumulated gradient has their shape).
 
 ``transient_bytes`` is the plan's liveness peak less its linear terms
 (``peak_minus_linear_bytes``, at least 0): the transients of the op at the peak, which
@@ -37,7 +42,7 @@ import numpy as np
 
 from pipeline.costmodel.steptime import StepInputs, classify
 
-__all__ = ["SEGMENT_FIELDS", "layer_profile"]
+__all__ = ["SEGMENT_FIELDS", "edge_input_bytes", "layer_profile", "segments"]
 
 #: Per-segment fields (microseconds; ``bytes`` is a dict by kind).
 SEGMENT_FIELDS = ("fwd_us", "bwd_us", "gather_us", "reduce_us")
@@ -78,8 +83,22 @@ def segments(g: StepInputs) -> list[str]:
     return [str(s) for s in seg]
 
 
+def edge_input_bytes(topology: Any, cost_model: Any, strategy: np.ndarray,
+                     sizes: Any) -> list[float]:
+    """Per edge of ``cost_model.edges``, the local bytes of the consumer's input under
+    its chosen input placement (``sizes``: :class:`pipeline.memory.terms.SlotBytes`)."""
+    slist = topology.nodes["slist"]
+    out = []
+    for _, _, v, a in cost_model.edges:
+        meta = cost_model.in_metas[v][a]
+        text = topology.slist_inputs[slist[v]][int(strategy[v])][a]
+        out.append(float(sizes.bytes_of(list(meta["shape"]), str(meta["dtype"]), text)))
+    return out
+
+
 def layer_profile(g: StepInputs, terms: Any, strategy: np.ndarray,
-                  transient_bytes: float) -> dict[str, Any]:
+                  transient_bytes: float,
+                  edge_bytes: list[float] | None = None) -> dict[str, Any]:
     """The ``layer_profile`` entry (module docstring).
 
     Args:
@@ -88,13 +107,16 @@ def layer_profile(g: StepInputs, terms: Any, strategy: np.ndarray,
             memory model, every ``bytes`` empty).
         strategy: the plan, per node.
         transient_bytes: ``peak_minus_linear_bytes`` of the plan's memory record.
+        edge_bytes: :func:`edge_input_bytes` (None: no ``gathered_bytes``).
     """
     seg = segments(g)
     edge_kind = classify(g).edge_kind
     names = sorted({s for s in seg if s not in ("first", "last")}, key=_layer_key)
     keys = ["first", *names, "last"]
     out: dict[str, dict[str, Any]] = {
-        k: {**{f: 0.0 for f in SEGMENT_FIELDS}, "bytes": {}} for k in keys}
+        k: {**{f: 0.0 for f in SEGMENT_FIELDS}, "bytes": {}, "gathered_bytes": 0.0}
+        for k in keys}
+    gathered: dict[int, tuple[str, float]] = {}  # producer -> (segment, bytes)
     for i, us in enumerate(g.compute_us):
         out[seg[i]]["fwd_us" if g.phase[i] == "fwd" else "bwd_us"] += float(us)
     for e, (u, v) in enumerate(g.edges):
@@ -106,8 +128,13 @@ def layer_profile(g: StepInputs, terms: Any, strategy: np.ndarray,
             out[seg[v]]["fwd_us" if g.phase[v] == "fwd" else "bwd_us"] += us
         elif kind == "weight":
             out[seg[v]]["gather_us"] += us
+            if edge_bytes is not None:
+                where, most = gathered.get(u, (seg[v], 0.0))
+                gathered[u] = (where, max(most, float(edge_bytes[e])))
         else:
             out[seg[u]]["reduce_us"] += us
+    for where, nbytes in gathered.values():
+        out[where]["gathered_bytes"] += nbytes
     if terms is not None:
         for kind, rows in terms.terms.items():
             for v, c in rows:
@@ -115,5 +142,6 @@ def layer_profile(g: StepInputs, terms: Any, strategy: np.ndarray,
                 b[kind] = b.get(kind, 0.0) + float(c[int(strategy[v])])
     return {"layers": names, "first": out["first"], "last": out["last"],
             "per_layer": {f: [out[k][f] for k in names] for f in SEGMENT_FIELDS}
-            | {"bytes": [out[k]["bytes"] for k in names]},
+            | {"bytes": [out[k]["bytes"] for k in names],
+               "gathered_bytes": [out[k]["gathered_bytes"] for k in names]},
             "transient_bytes": max(0.0, float(transient_bytes))}

@@ -556,12 +556,13 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
             record["lower_bound_problem"] = (
                 f"{BOUND_PROBLEM}, with the memory live at {', '.join(cuts)} bounded by the "
                 "device-memory limit (the cuts the liveness check added)")
-    from pipeline.stages.solve.profile import layer_profile
+    from pipeline.stages.solve.profile import edge_input_bytes, layer_profile
 
-    mem = record.get("memory") or {}
     record["layer_profile"] = layer_profile(
         inputs, costs.memory.terms if costs.memory is not None else None, strategy,
-        mem.get("peak_minus_linear_bytes", 0.0))
+        (record.get("memory") or {}).get("peak_minus_linear_bytes", 0.0),
+        edge_input_bytes(topology, cost_model, strategy, costs.memory.sizes)
+        if costs.memory is not None else None)
     if budget is not None:
         from pipeline.memory.budget import used_memory
 
