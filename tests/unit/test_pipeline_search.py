@@ -56,29 +56,36 @@ def test_layer_profile_by_hand():
 
     # the gathered bytes: the input of the one weight edge (p_l0 -> l0), 64 bytes
     edge_bytes = [64.0 if e == (2, 3) else 1.0 for e in EDGES]
+    # live bytes per node: runs of one node rise 0; the forward run of the head and the
+    # loss (live 10, 30) rises 30 - 10 = 20
+    live = [0, 1, 0, 6, 10, 30, 12, 14, 14, 0]
     prof = layer_profile(_inputs(), Terms(), np.zeros(len(NODES), dtype=np.int64), 11.0,
-                         edge_bytes)
+                         edge_bytes, live)
     assert prof["layers"] == ["layers.0"]
     assert prof["first"] == {"fwd_us": 2.0, "bwd_us": 3.0, "gather_us": 0.0,
                              "reduce_us": 7.0, "bytes": {"parameters": 100.0},
-                             "gathered_bytes": 0.0}
+                             "gathered_bytes": 0.0, "transient_bytes": 0.0}
     assert prof["last"] == {"fwd_us": 5.0, "bwd_us": 8.0, "gather_us": 0.0,
-                            "reduce_us": 0.0, "bytes": {}, "gathered_bytes": 0.0}
+                            "reduce_us": 0.0, "bytes": {}, "gathered_bytes": 0.0,
+                            "transient_bytes": 20.0}
     assert prof["per_layer"] == {"fwd_us": [13.0], "bwd_us": [20.0], "gather_us": [5.0],
                                  "reduce_us": [0.0], "gathered_bytes": [64.0],
+                                 "transient_bytes": [0.0],
                                  "bytes": [{"parameters": 40.0, "saved_activations": 9.0}]}
     assert prof["transient_bytes"] == 11.0
 
 
 def _profile(layers: int, t_fwd: float, t_bwd: float, first: float, last: float,
              act: float = 1.0, gathered: float = 0.0) -> dict:
-    seg = {"gather_us": 0.0, "reduce_us": 0.0, "bytes": {}, "gathered_bytes": 0.0}
+    seg = {"gather_us": 0.0, "reduce_us": 0.0, "bytes": {}, "gathered_bytes": 0.0,
+           "transient_bytes": 0.0}
     return {"layers": [f"layers.{i}" for i in range(layers)],
             "first": {**seg, "fwd_us": first, "bwd_us": 0.0},
             "last": {**seg, "fwd_us": last, "bwd_us": 0.0},
             "per_layer": {"fwd_us": [t_fwd] * layers, "bwd_us": [t_bwd] * layers,
                           "gather_us": [0.0] * layers, "reduce_us": [0.0] * layers,
                           "gathered_bytes": [gathered] * layers,
+                          "transient_bytes": [0.0] * layers,
                           "bytes": [{"parameters": 10.0, "saved_activations": act}] * layers},
             "transient_bytes": 0.0}
 

@@ -83,6 +83,7 @@ def _dp_split(profile: dict[str, Any], cfg: Any, p: int, m: int, schedule: str,
     layer_act = _mean([kind({"bytes": b}, ("saved_activations",)) for b in per["bytes"]])
     scale = 1 + itemsize(str(cfg.model.reduce_dtype)) / itemsize(str(cfg.model.param_dtype))
     layer_unsharded = _mean(per["gathered_bytes"]) * scale  # parameters + gradients
+    layer_transient = max(per["transient_bytes"])
     flights = stage_in_flight(schedule, p, m, v)
     limit = _limit(cfg)
     S = p * v
@@ -93,8 +94,8 @@ def _dp_split(profile: dict[str, Any], cfg: Any, p: int, m: int, schedule: str,
         state = n * layer_state + sum(kind(e, STATE_KINDS) for e in extra)
         act = n * layer_act + sum(kind(e, ("saved_activations",)) for e in extra)
         unsharded = n * layer_unsharded + sum(float(e["gathered_bytes"]) for e in extra) * scale
-        return (state + flights[s] * act + unsharded
-                + float(profile["transient_bytes"])) <= limit
+        transient = max([layer_transient] + [float(e["transient_bytes"]) for e in extra])
+        return state + flights[s] * act + unsharded + transient <= limit
 
     found = best_split(L, S, m, stage_time, fits)
     return list(found.boundaries) if found is not None else None

@@ -11,9 +11,10 @@ sums its segments: ``fwd_us`` / ``bwd_us`` (compute and activation redistributio
 microbatch), ``gather_us`` (its FSDP all-gathers), ``reduce_us`` (its gradient
 reductions, once per step), ``state_bytes`` (parameters, gradients, optimizer state,
 buffers), ``activation_bytes`` (saved activations of one microbatch),
-``unsharded_param_bytes`` and ``unsharded_grad_bytes`` (below) and the plan's op transient
-(``transient_bytes``). The boundary sends are :func:`~pipeline.costmodel.pipelining.p2p_us`
-of one device's hidden state ``[microbatch, seq_len, dim]`` (the pp dim's link; a send of
+``unsharded_param_bytes`` and ``unsharded_grad_bytes`` (below) and ``transient_bytes``,
+the largest of its segments' (the profile's rise of the live bytes within a segment).
+The boundary sends are :func:`~pipeline.costmodel.pipelining.p2p_us` of one device's
+hidden state ``[microbatch, seq_len, dim]`` (the pp dim's link; a send of
 interleaved 1F1B from the last rank back to the first is priced as the slowest boundary).
 Then :func:`~pipeline.costmodel.pipelining.pipelined_step` simulates the schedule (FSDP2
 under torch's schedules with ``fsdp.reshard_after_forward``) and gives each rank's peak;
@@ -52,7 +53,7 @@ def _segments(profile: dict[str, Any], lo: int, hi: int, first: bool,
               last: bool) -> list[dict[str, Any]]:
     per = profile["per_layer"]
     out = [{f: per[f][i] for f in ("fwd_us", "bwd_us", "gather_us", "reduce_us",
-                                    "gathered_bytes")}
+                                    "gathered_bytes", "transient_bytes")}
            | {"bytes": per["bytes"][i]} for i in range(lo, hi)]
     if first:
         out.append(profile["first"])
@@ -84,7 +85,7 @@ def stage_costs(profile: dict[str, Any], split: list[int], param_dtype: str,
             fwd_us=total("fwd_us"), bwd_us=total("bwd_us"),
             state_bytes=math.fsum(kind(k) for k in STATE_KINDS),
             activation_bytes=kind("saved_activations"),
-            transient_bytes=float(profile["transient_bytes"]),
+            transient_bytes=max(float(x["transient_bytes"]) for x in segs),
             unsharded_param_bytes=gathered, unsharded_grad_bytes=gathered * scale,
             gather_us=total("gather_us"), reduce_us=total("reduce_us")))
     return out

@@ -28,9 +28,13 @@ redistribution's time, the same as the step-time simulation's):
   in the segment of its first such consumer. It is what FSDP2 holds unsharded for the
   segment (the gathered parameters; the accumulated gradient has their shape).
 
-``transient_bytes`` is the plan's liveness peak less its linear terms
-(``peak_minus_linear_bytes``, at least 0): the transients of the op at the peak, which
-one layer's ops set, so every stage is charged it once.
+``transient_bytes`` per segment (with the liveness walk's bytes live per node): the most
+the live bytes rise within one contiguous run of the segment's nodes in graph order
+(a layer's forward, its backward with the recomputation of activation checkpointing,
+the head and the loss with their logits), ``max live - live at the run's first node``:
+what the segment's ops hold on top of what was live when it started. Without the walk,
+every segment gets the plan's ``peak_minus_linear_bytes`` (the top-level
+``transient_bytes``, at least 0).
 """
 
 from __future__ import annotations
@@ -96,9 +100,27 @@ def edge_input_bytes(topology: Any, cost_model: Any, strategy: np.ndarray,
     return out
 
 
+def _rises(g: StepInputs, seg: list[str], live: Any) -> dict[str, float]:
+    """Per segment, the largest rise of the live bytes within one of its runs."""
+    out: dict[str, float] = {}
+    run, base, top = None, 0.0, 0.0
+    for i in range(len(g.names)):
+        if g.placeholder[i] or g.sink[i]:
+            continue
+        key = (seg[i], g.phase[i])
+        if key != run:
+            if run is not None:
+                out[run[0]] = max(out.get(run[0], 0.0), top - base)
+            run, base, top = key, float(live[i]), float(live[i])
+        top = max(top, float(live[i]))
+    if run is not None:
+        out[run[0]] = max(out.get(run[0], 0.0), top - base)
+    return out
+
+
 def layer_profile(g: StepInputs, terms: Any, strategy: np.ndarray,
-                  transient_bytes: float,
-                  edge_bytes: list[float] | None = None) -> dict[str, Any]:
+                  transient_bytes: float, edge_bytes: list[float] | None = None,
+                  live_bytes: Any = None) -> dict[str, Any]:
     """The ``layer_profile`` entry (module docstring).
 
     Args:
@@ -108,14 +130,19 @@ def layer_profile(g: StepInputs, terms: Any, strategy: np.ndarray,
         strategy: the plan, per node.
         transient_bytes: ``peak_minus_linear_bytes`` of the plan's memory record.
         edge_bytes: :func:`edge_input_bytes` (None: no ``gathered_bytes``).
+        live_bytes: per node, the bytes live while it runs (None: every segment's
+            transient is ``transient_bytes``).
     """
     seg = segments(g)
     edge_kind = classify(g).edge_kind
     names = sorted({s for s in seg if s not in ("first", "last")}, key=_layer_key)
     keys = ["first", *names, "last"]
     out: dict[str, dict[str, Any]] = {
-        k: {**{f: 0.0 for f in SEGMENT_FIELDS}, "bytes": {}, "gathered_bytes": 0.0}
-        for k in keys}
+        k: {**{f: 0.0 for f in SEGMENT_FIELDS}, "bytes": {}, "gathered_bytes": 0.0,
+            "transient_bytes": max(0.0, float(transient_bytes))} for k in keys}
+    if live_bytes is not None:
+        for k, rise in _rises(g, seg, live_bytes).items():
+            out[k]["transient_bytes"] = rise
     gathered: dict[int, tuple[str, float]] = {}  # producer -> (segment, bytes)
     for i, us in enumerate(g.compute_us):
         out[seg[i]]["fwd_us" if g.phase[i] == "fwd" else "bwd_us"] += float(us)
@@ -143,5 +170,6 @@ def layer_profile(g: StepInputs, terms: Any, strategy: np.ndarray,
     return {"layers": names, "first": out["first"], "last": out["last"],
             "per_layer": {f: [out[k][f] for k in names] for f in SEGMENT_FIELDS}
             | {"bytes": [out[k]["bytes"] for k in names],
-               "gathered_bytes": [out[k]["gathered_bytes"] for k in names]},
+               "gathered_bytes": [out[k]["gathered_bytes"] for k in names],
+               "transient_bytes": [out[k]["transient_bytes"] for k in names]},
             "transient_bytes": max(0.0, float(transient_bytes))}

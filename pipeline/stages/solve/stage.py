@@ -562,7 +562,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
         inputs, costs.memory.terms if costs.memory is not None else None, strategy,
         (record.get("memory") or {}).get("peak_minus_linear_bytes", 0.0),
         edge_input_bytes(topology, cost_model, strategy, costs.memory.sizes)
-        if costs.memory is not None else None)
+        if costs.memory is not None else None, memory_cols.get("live_bytes"))
     if budget is not None:
         from pipeline.memory.budget import used_memory
 
