@@ -133,3 +133,29 @@ def test_search_split_by_hand():
     rows = search_pipeline(tiny, record, 4, [("gpipe", 1)])
     assert rows[0]["why"] == "no split fits the device memory"
     assert rows[0]["record"] is None and not rows[0]["fits"]
+
+
+def test_shapes_table_pipeline_columns(tmp_path):
+    """The shapes table gives a pipelined run's degree, microbatches, schedule, virtual
+    stages and bubble (``pp`` 1 and the rest empty for an SPMD run)."""
+    import json
+
+    import pandas as pd
+
+    from pipeline.tools.shapes import shape_table
+
+    base = {"objective": 5.0, "step_time_us": 10.0, "memory": {"peak_bytes": 2.0**30},
+            "status": "Heuristic", "gap": 0.1}
+    runs = {"a": {**base, "mesh": "4", "mesh_names": ["dp"], "step_time_us": 12.0},
+            "b": {**base, "mesh": "2x2", "mesh_names": ["pp", "dp"],
+                  "pipeline": {"degree": 2, "microbatches": 8, "schedule": "1f1b",
+                               "virtual_stages": 1, "bubble_fraction": 0.25}}}
+    for name, rec in runs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps(rec))
+    table = shape_table([tmp_path / "a", tmp_path / "b"])
+    first, second = table.iloc[0], table.iloc[1]
+    assert (first["mesh"], first["pp"], first["microbatches"], first["schedule"],
+            first["virtual_stages"], first["bubble_fraction"]) == ("2x2", 2, 8, "1f1b", 1, 0.25)
+    assert (second["mesh"], second["pp"]) == ("4", 1)
+    assert all(pd.isna(second[c]) for c in ("microbatches", "schedule", "bubble_fraction"))
