@@ -27,7 +27,7 @@ STAGE_ENTRIES: dict[str, tuple[str, ...]] = {
     "trace": ("pipeline.stages.trace.stage", *FAMILIES.values()),
     "topology": ("pipeline.stages.topology.stage",),
     "costs": ("pipeline.stages.costs.stage",),
-    "solve": ("pipeline.stages.solve.stage",),
+    "solve": ("pipeline.stages.solve.stage", "pipeline.stages.solve.pipelined"),
     "report": ("pipeline.stages.report.stage",),
     "paper": ("pipeline.tools.paper.build", "pipeline.tools.paper.cli"),
     "verify": ("pipeline.verify.run",),

@@ -233,9 +233,16 @@ def _call_stage(stage: str, cfg: DictConfig, dirs: StageDirs) -> None:
         check_problem_size(cfg, dirs)  # before anything is built
         run_costs(cfg, dirs.topology, dirs.costs)
     elif stage == "solve":
-        from pipeline.stages.solve.stage import run_solve
+        from pipeline.config.pipeline_stage import pipeline_degree
 
-        run_solve(cfg, dirs)
+        if pipeline_degree(cfg) > 1:  # priced from its stage solve (docs/pipelining.md)
+            from pipeline.stages.solve.pipelined import run_pipelined
+
+            run_pipelined(cfg, dirs)
+        else:
+            from pipeline.stages.solve.stage import run_solve
+
+            run_solve(cfg, dirs)
     elif stage == "report":
         from pipeline.stages.report.stage import run_report
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from pipeline.costmodel.steptime import StepInputs, classify
 
-__all__ = ["SEGMENT_FIELDS", "edge_input_bytes", "layer_profile", "segments"]
+__all__ = ["SEGMENT_FIELDS", "edge_input_bytes", "layer_profile", "plan_profile", "segments"]
 
 #: Per-segment fields (microseconds; ``bytes`` is a dict by kind).
 SEGMENT_FIELDS = ("fwd_us", "bwd_us", "gather_us", "reduce_us")
@@ -173,3 +173,17 @@ def layer_profile(g: StepInputs, terms: Any, strategy: np.ndarray,
                "gathered_bytes": [out[k]["gathered_bytes"] for k in names],
                "transient_bytes": [out[k]["transient_bytes"] for k in names]},
             "transient_bytes": max(0.0, float(transient_bytes))}
+
+
+def plan_profile(g: StepInputs, topology: Any, cost_model: Any, memory: Any,
+                 strategy: np.ndarray, memory_record: dict[str, Any] | None,
+                 memory_cols: dict[str, Any]) -> dict[str, Any]:
+    """:func:`layer_profile` of a solved plan, from what the solve stage has: the memory
+    model (``memory``: :class:`pipeline.memory.model.MemoryModel` or None), its record
+    and its per-node columns (``live_bytes``)."""
+    if memory is None:
+        return layer_profile(g, None, strategy, 0.0)
+    return layer_profile(g, memory.terms, strategy,
+                         (memory_record or {}).get("peak_minus_linear_bytes", 0.0),
+                         edge_input_bytes(topology, cost_model, strategy, memory.sizes),
+                         memory_cols.get("live_bytes"))

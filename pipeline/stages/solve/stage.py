@@ -326,12 +326,6 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     ``redistributions.parquet`` and ``run.json`` (last)."""
     from omegaconf import OmegaConf
 
-    from pipeline.config.pipeline_stage import pipeline_degree
-
-    if pipeline_degree(cfg) > 1:  # priced from its stage solve (docs/pipelining.md)
-        from pipeline.stages.solve.pipelined import run_pipelined
-
-        return run_pipelined(cfg, dirs)
     timer = runtime.PhaseTimer()
     out_dir = Path(dirs.solve)
     with timer.phase("cost_build"):
@@ -556,13 +550,10 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
             record["lower_bound_problem"] = (
                 f"{BOUND_PROBLEM}, with the memory live at {', '.join(cuts)} bounded by the "
                 "device-memory limit (the cuts the liveness check added)")
-    from pipeline.stages.solve.profile import edge_input_bytes, layer_profile
+    from pipeline.stages.solve.profile import plan_profile
 
-    record["layer_profile"] = layer_profile(
-        inputs, costs.memory.terms if costs.memory is not None else None, strategy,
-        (record.get("memory") or {}).get("peak_minus_linear_bytes", 0.0),
-        edge_input_bytes(topology, cost_model, strategy, costs.memory.sizes)
-        if costs.memory is not None else None, memory_cols.get("live_bytes"))
+    record["layer_profile"] = plan_profile(inputs, topology, cost_model, costs.memory,
+                                           strategy, record.get("memory"), memory_cols)
     if budget is not None:
         from pipeline.memory.budget import used_memory
 
