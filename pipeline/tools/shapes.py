@@ -453,6 +453,8 @@ def markdown_table(table: Any) -> str:
                 cells.append("" if v is None or math.isnan(v) else f"{v / 2**30:,.2f} GiB")
             elif c in ("gap", "step_time_gap", "bubble_fraction"):
                 cells.append("" if v is None or math.isnan(v) else f"{v:.4f}")
+            elif c in ("pp", "microbatches", "virtual_stages") and v is not None:
+                cells.append(str(int(v)))
             elif c == "tie":
                 cells.append("tie" if v is True else "")
             elif v is None:
