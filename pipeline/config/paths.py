@@ -27,7 +27,7 @@ STAGE_ENTRIES: dict[str, tuple[str, ...]] = {
     "trace": ("pipeline.stages.trace.stage", *FAMILIES.values()),
     "topology": ("pipeline.stages.topology.stage",),
     "costs": ("pipeline.stages.costs.stage",),
-    "solve": ("pipeline.stages.solve.stage",),
+    "solve": ("pipeline.stages.solve.stage", "pipeline.stages.solve.pipelined"),
     "report": ("pipeline.stages.report.stage",),
     "paper": ("pipeline.tools.paper.build", "pipeline.tools.paper.cli"),
     "verify": ("pipeline.verify.run",),
@@ -60,7 +60,7 @@ STAGE_KEYS: dict[str, tuple[str, ...]] = {
               "hardware",
               "lazy_costs", "optimizer", "memory", "fsdp", "device_memory", "costs",
               "model_parallel",
-              "solver", "optimality_check"),
+              "solver", "optimality_check", "pipeline"),
     "report": ("results_dir",),
 }
 
@@ -108,6 +108,9 @@ def stage_keys(cfg: DictConfig, stage: str) -> dict[str, Any]:
                      if c not in ("device_memory", "model_parallel")}
         if k == "model" and value.get("microbatches") == 1:  # the default keeps its key
             value = {c: v for c, v in value.items() if c != "microbatches"}
+        if k == "pipeline" and not (list(cfg.mesh_names)[:1] == ["pp"]
+                                    and int(cfg.mesh[0]) > 1):
+            continue  # no pipeline: the keys keep their defaults and the directories
         if k == "solver":  # a guard on the problem's size, not a result-shaping key
             value = {c: v for c, v in value.items() if c != "max_memory"}
         if k == "costs":  # how rankings read step times, not a cost-model option

@@ -203,3 +203,18 @@ def split_output(text: str, ndim: int | None = None) -> tuple[tuple[Token, ...] 
     if not isinstance(text, str):
         raise ValueError(f"output placement text must be a str, got {text!r}")  # noqa: TRY004
     return _split_output(text, ndim)
+
+
+def drop_first_token(text: str) -> str:
+    """``text`` without its first token (the first mesh dim's placement):
+    ``"S(0)RS(1)"`` -> ``"RS(1)"``.
+
+    Raises:
+        ValueError: the text does not start with a token or has only one.
+    """
+    s = _WS_RE.sub("", text)
+    m = _TOKEN_RE.match(s)
+    if m is None or m.end() == 0 or m.end() == len(s):
+        raise ValueError(f"invalid placement {text!r}: need a token per mesh dim, the first "
+                         "the pp dim's, and at least one more; " + ALLOWED)
+    return s[m.end():]

@@ -85,9 +85,12 @@ def preflight_trace(cfg: DictConfig) -> None:
     """
     from omegaconf import OmegaConf
 
+    from pipeline.config.pipeline_stage import pipeline_degree, stage_config
     from pipeline.config.validate import check_input_sharding
     from pipeline.models import ModelError, preflight
 
+    if pipeline_degree(cfg) > 1:  # the stage solve's config (sub-mesh, one microbatch)
+        cfg = stage_config(cfg)
     if cfg.get("recipe") is None:  # a recipe places the inputs itself
         check_input_sharding(cfg, list(cfg.mesh), list(cfg.mesh_names))
     if sentinel(stage_dirs(cfg), "trace").exists():
@@ -230,9 +233,16 @@ def _call_stage(stage: str, cfg: DictConfig, dirs: StageDirs) -> None:
         check_problem_size(cfg, dirs)  # before anything is built
         run_costs(cfg, dirs.topology, dirs.costs)
     elif stage == "solve":
-        from pipeline.stages.solve.stage import run_solve
+        from pipeline.config.pipeline_stage import pipeline_degree
 
-        run_solve(cfg, dirs)
+        if pipeline_degree(cfg) > 1:  # priced from its stage solve (docs/pipelining.md)
+            from pipeline.stages.solve.pipelined import run_pipelined
+
+            run_pipelined(cfg, dirs)
+        else:
+            from pipeline.stages.solve.stage import run_solve
+
+            run_solve(cfg, dirs)
     elif stage == "report":
         from pipeline.stages.report.stage import run_report
 
@@ -301,13 +311,21 @@ def run_pipeline(cfg: DictConfig, force: bool = False, report: bool = True) -> P
     one config run each stage once. The report always runs, unless ``report`` is false
     (a job of a sweep: the sweep writes one report at its end, :func:`report_once`).
     """
+    from pipeline.config.pipeline_stage import pipeline_degree, stage_config
+
     dirs = stage_dirs(cfg)
     timer = PhaseTimer()
     done = []
+    # a pipelined run: the stage solve (sub-mesh, one microbatch) runs trace .. solve, then
+    # the solve stage of the pipelined config prices the pipeline from it
+    sub = stage_config(cfg) if pipeline_degree(cfg) > 1 else None
     with timer.phase("wall"):
         for stage in STAGES if report else [s for s in STAGES if s != "report"]:
             with timer.phase(PHASES[stage]):
-                ran = run_stage(stage, cfg, dirs, force=force and stage != "report")
+                if sub is not None and stage != "report":
+                    ran = run_stage(stage, sub, stage_dirs(sub), force=force)
+                if sub is None or stage in ("solve", "report"):
+                    ran = run_stage(stage, cfg, dirs, force=force and stage != "report")
             done.append(f"{stage} {timer.seconds[PHASES[stage]]:.2f} s"
                         + ("" if ran else " (reused)"))
     log.info("stages: %s; wall %.2f s", ", ".join(done), timer.seconds["wall"])

@@ -20,9 +20,12 @@ factors > 1 is, by inclusion-exclusion over the factors allowed to be 1,
 
 **Dim names** are fixed by rank, tp innermost (as the planner's defaults,
 :data:`pipeline.config.DEFAULT_MESH_NAMES`): ``dp``; ``dp, tp``; ``dp, cp, tp``; and
-``pp, dp, cp, tp`` for four dims. The names are labels only (the planner has no
-pipeline stages: ``pp`` is a mesh dim like the others); the placements the solver
-chooses on each dim decide what the dim does.
+``pp, dp, cp, tp`` for four dims. ``pp`` (the first of four) is the pipeline dim: a
+four-dim shape of a llama model is a pipelined run (its stage solve on the other three
+dims, then the pipelined step with the configured ``pipeline.*``; docs/pipelining.md),
+and the table gives its ``pp`` degree, ``microbatches``, ``schedule``,
+``virtual_stages``, ``bubble_fraction`` and the largest rank's ``peak_bytes``. On the
+other dims the placements the solver chooses decide what the dim does.
 
 **Runs.** Each shape is one ordinary run (``mesh=<shape> mesh_names=[...]`` added to
 the given overrides) in the ordinary results tree, so the stages are reused as by
@@ -88,8 +91,12 @@ OUTPUT_FILES: tuple[str, ...] = ("shapes.parquet", "shapes.csv", "shapes.md", "s
 #: hardware preset's device memory, pipeline/memory/fit.py).
 COLUMNS: tuple[str, ...] = ("rank", "mesh", "mesh_names", "dims", "step_time_us", "tie",
                             "step_time_gap", "objective", "compute_us", "comm_us",
-                            "transition_us", "peak_bytes", "fits", "status", "gap",
-                            "placement_hash", "run_id", "solve_dir")
+                            "transition_us", "peak_bytes", "fits", "pp",
+                            "microbatches", "schedule", "virtual_stages", "bubble_fraction",
+                            "status", "gap", "placement_hash", "run_id", "solve_dir")
+#: Columns of a pipelined run (only when some run has a ``pipeline`` section).
+PIPELINE_COLUMNS: tuple[str, ...] = ("pp", "microbatches", "schedule", "virtual_stages",
+                                     "bubble_fraction")
 _RUN_STAGES = ("trace", "topology", "costs", "solve")
 
 
@@ -309,7 +316,8 @@ def run_shapes(sweep: ShapeSweep) -> Any:
     starts with the error's type, and its traceback is logged): the other shapes still
     run and the sweep ends with a summary and exit status 1 (:func:`main`).
     """
-    from pipeline.stages.report.picture import ensure_plan_picture
+    from pipeline.config.pipeline_stage import pipeline_degree, stage_config
+    from pipeline.stages.report.picture import drawable, ensure_plan_picture
     from pipeline.stages.runner import USER_ERRORS, run_stage
 
     failed: dict[tuple[int, ...], str] = {}
@@ -327,8 +335,13 @@ def run_shapes(sweep: ShapeSweep) -> Any:
             log.info("shape %s: not applicable: %s", mesh_label(shape), failed[shape])
             continue
         try:
+            # a pp dim: the stage solve on the sub-mesh, then the pipelined solve
+            sub = stage_config(cfg) if pipeline_degree(cfg) > 1 else None
             for stage in _RUN_STAGES:
-                run_stage(stage, cfg, dirs)
+                if sub is not None:
+                    run_stage(stage, sub, stage_dirs(sub))
+                if sub is None or stage == "solve":
+                    run_stage(stage, cfg, dirs)
         except (*USER_ERRORS, ConfigError) as err:
             failed[shape] = one_line(err)
             log.warning("shape %s: not planned: %s", mesh_label(shape), failed[shape])
@@ -337,7 +350,8 @@ def run_shapes(sweep: ShapeSweep) -> Any:
             failed[shape] = one_line(err, with_type=True)
             log.exception("shape %s: failed: %s", mesh_label(shape), failed[shape])
             continue
-        ensure_plan_picture(dirs.solve)
+        if drawable(Path(dirs.solve)):  # a pipelined run's picture is its stage solve's
+            ensure_plan_picture(dirs.solve)
     run_stage("report", sweep.configs[0], stage_dirs(sweep.configs[0]))
     table = shape_table([stage_dirs(c).solve for c in sweep.configs
                          if tuple(int(d) for d in c.mesh) not in failed], failed, inapplicable,
@@ -378,6 +392,7 @@ def shape_table(solve_dirs: Sequence[Path],
             "transition_us": _float_or_none(rec.get("transition_us")),
             "peak_bytes": _float_or_none((rec.get("memory") or {}).get("peak_bytes")),
             "fits": rec.get("fits"),
+            **_pipeline_cells(rec.get("pipeline")),
             "status": rec.get("status"), "gap": _float_or_none(rec.get("gap")),
             "placement_hash": rec.get("placement_hash"), "run_id": rec.get("run_id"),
             "solve_dir": str(d), "error": None})
@@ -389,7 +404,7 @@ def shape_table(solve_dirs: Sequence[Path],
                      "dims": len(shape), "objective": math.nan, "step_time_us": None,
                      "step_time_gap": None, "tie": None,
                      "compute_us": None, "comm_us": None, "transition_us": None,
-                     "peak_bytes": None, "fits": None,
+                     "peak_bytes": None, "fits": None, **_pipeline_cells(None),
                      "status": NOT_APPLICABLE if shape in inapplicable else "failed",
                      "gap": None, "placement_hash": None, "run_id": None,
                      "solve_dir": None, "error": reason})
@@ -401,10 +416,21 @@ def shape_table(solve_dirs: Sequence[Path],
         r["rank"] = i
     optional = {"step_time_us": "step_time_us", "step_time_gap": "step_time_us",
                 "tie": "step_time_us", "peak_bytes": "peak_bytes", "fits": "fits",
-                "error": "error"}
+                "error": "error", **{c: "schedule" for c in PIPELINE_COLUMNS}}
     cols = [c for c in (*COLUMNS, "error")
             if c not in optional or any(r[optional[c]] is not None for r in rows)]
     return pd.DataFrame(rows, columns=cols)
+
+
+def _pipeline_cells(section: dict[str, Any] | None) -> dict[str, Any]:
+    """The pipeline columns of a run (``pp`` 1 and the rest empty without a pipeline)."""
+    if not section:
+        return {"pp": 1, "microbatches": None, "schedule": None, "virtual_stages": None,
+                "bubble_fraction": None}
+    return {"pp": int(section["degree"]), "microbatches": int(section["microbatches"]),
+            "schedule": str(section["schedule"]),
+            "virtual_stages": int(section["virtual_stages"]),
+            "bubble_fraction": float(section["bubble_fraction"])}
 
 
 def _float_or_none(v: Any) -> float | None:
@@ -425,8 +451,10 @@ def markdown_table(table: Any) -> str:
                              else f"{v:,.3f}")
             elif c == "peak_bytes":
                 cells.append("" if v is None or math.isnan(v) else f"{v / 2**30:,.2f} GiB")
-            elif c in ("gap", "step_time_gap"):
+            elif c in ("gap", "step_time_gap", "bubble_fraction"):
                 cells.append("" if v is None or math.isnan(v) else f"{v:.4f}")
+            elif c in ("pp", "microbatches", "virtual_stages") and v is not None:
+                cells.append(str(int(v)))
             elif c == "tie":
                 cells.append("tie" if v is True else "")
             elif v is None:

@@ -144,10 +144,16 @@ def test_helpers_by_hand():
     assert data_parallel_dims("RRS(1)", ["pp", "dp", "tp"]) == []
 
 
-def test_pipeline_keys_are_in_no_directory_key():
-    """Nothing the stages write depends on ``pipeline.*`` yet: the same directories."""
+def test_pipeline_keys_are_in_the_solve_key_of_a_pipeline_only():
+    """``pipeline.*`` enters the solve directory of a pipelined run (its step depends on
+    them), not the earlier stages'; without a pp dim the keys are in no directory."""
     from pipeline.config import stage_dirs
 
     base = stage_dirs(load_resolved(PP70))
-    assert stage_dirs(load_resolved([*PP70, "pipeline.schedule=gpipe",
-                                     "pipeline.microbatches=8"])) == base
+    other = stage_dirs(load_resolved([*PP70, "pipeline.schedule=gpipe",
+                                      "pipeline.microbatches=8"]))
+    assert (other.trace, other.topology, other.costs) == (base.trace, base.topology, base.costs)
+    assert other.solve != base.solve
+    plain = ["model=llama70b", "mesh=8,4"]
+    assert stage_dirs(load_resolved([*plain, "pipeline.schedule=gpipe"])) == stage_dirs(
+        load_resolved(plain))

@@ -58,7 +58,7 @@ RECIPES = artifacts.Artifact("recipes.parquet", "report", 1,
                              "pipeline.stages.report.stage.run_report",
                              "pipeline.tools.paper.tables.plans_table")
 RECIPES_FILE = RECIPES.name
-_SKIP = ("config", "bound_history")
+_SKIP = ("config", "bound_history", "layer_profile")
 #: Config keys two runs share when they are priced by the same cost model.
 _COST_MODEL_KEYS = ("model", "mesh", "mesh_names", "hardware", "optimizer", "memory", "fsdp")
 

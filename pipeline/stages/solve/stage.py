@@ -424,7 +424,8 @@ def _step_time(cfg: Any, topology: TopologyTables, costs: Costs, cost_model: Any
                              global_tokens(cfg.model), math.prod(int(m) for m in cfg.mesh),
                              overlap=inputs.overlap)
     return {"step_time_us": entry["step_time_us"], "exposed_comm_us": entry["exposed_comm_us"],
-            "tokens_per_s_per_device": entry["tokens_per_s_per_device"], "step_time": entry}
+            "tokens_per_s_per_device": entry["tokens_per_s_per_device"], "step_time": entry,
+            "_inputs": inputs}
 
 
 def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result: Any,
@@ -539,6 +540,7 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
     if tables is not None:  # a measured profile: its header and the lookups this run made
         record["hardware_tables"] = tables.record()
     memory_cols: dict[str, Any] = {}
+    inputs = record.pop("_inputs")  # the per-layer profile (pipeline/stages/solve/profile.py)
     if costs.memory is not None:
         from pipeline.memory.record import memory_columns, memory_record
 
@@ -553,6 +555,10 @@ def _record(cfg: Any, dirs: Any, topology: TopologyTables, costs: Costs, result:
             record["lower_bound_problem"] = (
                 f"{BOUND_PROBLEM}, with the memory live at {', '.join(cuts)} bounded by the "
                 "device-memory limit (the cuts the liveness check added)")
+    from pipeline.stages.solve.profile import plan_profile
+
+    record["layer_profile"] = plan_profile(inputs, topology, cost_model, costs.memory,
+                                           strategy, record.get("memory"), memory_cols)
     if budget is not None:
         from pipeline.memory.budget import used_memory
 
