@@ -26,19 +26,27 @@ Search (deterministic):
    (``lp``: a re-weighted relaxation that is fractional; an exact solve stopped without
    one); ``step_time_search.stop`` says which. A plan returned before is not simulated
    again (it becomes the current plan).
-4. **Choose** the candidate with the smallest simulated step time (the first of equal
-   ones); with a device-memory limit, a candidate whose liveness peak exceeds it is
-   not chosen (the additive plan fits). So the plan returned is never slower than the
-   additive plan by the simulation.
+4. **Recipes** (a planner run): each applicable recipe's pins, written by the topology
+   stage as a restriction of this problem's domains
+   (pipeline/stages/topology/recipe_domains.py), restrict the MRF
+   (pipeline/solvers/restrict.py: the kept labels only, the same energy); the same
+   solver solves it with the same rows, and steps 2-3 run inside the restriction
+   (sources ``recipe:<name>``, ``recipe:<name> step-time round k``). A recipe that does
+   not apply is skipped; one whose plan breaks the run's constraints (the
+   parameter-memory budget, a pin) is discarded and searched again with its parameters'
+   groups free (``recipe:<name>/params``); ``step_time_search.recipes`` says which.
+5. **Choose** the candidate with the smallest simulated step time (the first of equal
+   ones: the planner's own before the recipes'); with a device-memory limit, a
+   candidate whose liveness peak exceeds it is not chosen (the additive plan fits). So
+   the plan returned is never slower than the additive plan, nor than any recipe's plan
+   that satisfies the run's constraints, by the simulation.
 
 Convergence: the weights stay in ``[0, 1]`` and, with the plan fixed, approach its
 exposed shares geometrically (half the distance per round), so a plan the solver keeps
 returning is a fixed point within ``log2(1 / WEIGHT_TOL) = 10`` rounds; a sequence that
 keeps changing plans is cut at ``step_time_rounds``. No monotonicity of the simulated
 step along the sequence is claimed, which is why every plan is a candidate and the best
-is kept. Not candidates
-(yet): local-search moves scored by the simulation, and the recipes' plans (they need
-their own pinned topology).
+is kept. Not candidates (yet): local-search moves scored by the simulation.
 
 **Lower bound** (pipeline/solvers/step_bound.py, argument in its docstring): the step of
 every plan is at least ``max(C(x), M(x) / D)``, the compute stream's busy time and the
