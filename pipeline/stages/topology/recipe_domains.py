@@ -12,8 +12,9 @@ How (no second trace, no second enumeration): the strategy lists as enumerated, 
 any pin, are copied; on the copy the recipe's run's pins are applied exactly as a
 ``recipe=<name>`` run applies them (the user's node and output pins, the recipe's
 inputs, parameters and residual stream, then its per-mesh-dim pins); a planner label of
-a node is kept when its (output, inputs) placements are a strategy the recipe's run
-keeps, and a group keeps the labels every member keeps.
+a node is kept when its strategy (its output and inputs placements, the same objects:
+pins select entries of the unpinned list) is one the recipe's run keeps, and a group
+keeps the labels every member keeps.
 
 The token batch (the model inputs) stays at the run's own placement (``constraints.inputs``
 or its default), not the recipe's: the planner's problem pins it. A recipe that places
@@ -126,15 +127,17 @@ def _domain(ctx: dict[str, Any], constraints: dict[str, Any], nodes: list[IRNode
     inputs = {m.id for m in problem if m.role == "input" and m.target == "placeholder"}
     labels: dict[int, list[int]] = {}
     moved = False
-    kept: dict[tuple[int, int], frozenset[int]] = {}  # the copies of a layer share lists
+    kept: dict[tuple[int, int], frozenset[int]] = {}
 
     def kept_of(ours: int, theirs: int) -> frozenset[int]:
+        # both lists select from the node's list before any pin, entries kept as the same
+        # objects (pins.apply_pins, recipe_pins.apply_dim_pins): matched by identity
         hit = kept.get((ours, theirs))
         if hit is None:
             a, b = table[ours], scratch[theirs]
-            allowed = set(zip(b.outputs, b.inputs))
+            allowed = {(id(o), id(i)) for o, i in zip(b.outputs, b.inputs)}
             hit = kept[(ours, theirs)] = frozenset(
-                k for k in range(len(a)) if (a.outputs[k], a.inputs[k]) in allowed)
+                k for k in range(len(a)) if (id(a.outputs[k]), id(a.inputs[k])) in allowed)
         return hit
 
     for g, members in enumerate(grouping.groups):
