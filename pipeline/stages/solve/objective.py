@@ -26,19 +26,27 @@ Search (deterministic):
    (``lp``: a re-weighted relaxation that is fractional; an exact solve stopped without
    one); ``step_time_search.stop`` says which. A plan returned before is not simulated
    again (it becomes the current plan).
-4. **Choose** the candidate with the smallest simulated step time (the first of equal
-   ones); with a device-memory limit, a candidate whose liveness peak exceeds it is
-   not chosen (the additive plan fits). So the plan returned is never slower than the
-   additive plan by the simulation.
+4. **Recipes** (a planner run): each applicable recipe's pins, written by the topology
+   stage as a restriction of this problem's domains
+   (pipeline/stages/topology/recipe_domains.py), restrict the MRF
+   (pipeline/solvers/restrict.py: the kept labels only, the same energy); the same
+   solver solves it with the same rows, and steps 2-3 run inside the restriction
+   (sources ``recipe:<name>``, ``recipe:<name> step-time round k``). A recipe that does
+   not apply is skipped; one whose plan breaks the run's constraints (the
+   parameter-memory budget, a pin) is discarded and searched again with its parameters'
+   groups free (``recipe:<name>/params``); ``step_time_search.recipes`` says which.
+5. **Choose** the candidate with the smallest simulated step time (the first of equal
+   ones: the planner's own before the recipes'); with a device-memory limit, a
+   candidate whose liveness peak exceeds it is not chosen (the additive plan fits). So
+   the plan returned is never slower than the additive plan, nor than any recipe's plan
+   that satisfies the run's constraints, by the simulation.
 
 Convergence: the weights stay in ``[0, 1]`` and, with the plan fixed, approach its
 exposed shares geometrically (half the distance per round), so a plan the solver keeps
 returning is a fixed point within ``log2(1 / WEIGHT_TOL) = 10`` rounds; a sequence that
 keeps changing plans is cut at ``step_time_rounds``. No monotonicity of the simulated
 step along the sequence is claimed, which is why every plan is a candidate and the best
-is kept. Not candidates
-(yet): local-search moves scored by the simulation, and the recipes' plans (they need
-their own pinned topology).
+is kept. Not candidates (yet): local-search moves scored by the simulation.
 
 **Lower bound** (pipeline/solvers/step_bound.py, argument in its docstring): the step of
 every plan is at least ``max(C(x), M(x) / D)``, the compute stream's busy time and the
@@ -72,8 +80,10 @@ from pipeline.costmodel.exposure import exposed_shares
 from pipeline.costmodel.factors import group_structure
 from pipeline.costmodel.reweight import StreamObjective, Surrogate
 from pipeline.costmodel.steptime import StepInputs, StepTime, plan_step_inputs, simulate
-from pipeline.solvers.errors import FractionalRelaxationError
-from pipeline.solvers.mrf import MRF
+from pipeline.solvers.errors import FractionalRelaxationError, NoFeasibleLabelingError
+from pipeline.solvers.lagrangian import allowed_unaries
+from pipeline.solvers.mrf import MRF, row_holds, row_value
+from pipeline.solvers.restrict import Restriction, restrict
 from pipeline.solvers.result import SolverResult, relative_gap
 from pipeline.solvers.step_bound import step_lower_bound
 
@@ -142,6 +152,162 @@ class _Evaluator:
         return inputs, simulate(inputs), parts
 
 
+class _Search:
+    """The candidates of one run's search (every searched domain's), each plan simulated
+    once, and the re-weighting rounds of one domain (module docstring, steps 2-3)."""
+
+    def __init__(self, cfg: Any, costs: Any, mrf: MRF, solve: Callable[[MRF], SolverResult],
+                 weight_derived: list[bool]):
+        self.cfg, self.costs, self.mrf, self.solve = cfg, costs, mrf, solve
+        self.cm = costs.cost_model()
+        self.groups = group_structure(costs.topology)
+        self.evaluate = _Evaluator(costs.topology, self.cm, self.groups, weight_derived,
+                                   [str(m) for m in cfg.mesh_names])
+        self.limit = costs.memory.limit if costs.memory is not None else None
+        self.surrogate = Surrogate(mrf, self.cm, self.groups)
+        self.cands: list[Candidate] = []
+        self.shares: list[np.ndarray] = []  # per candidate: its plan's exposed shares
+        self.seen: dict[bytes, int] = {}
+        self.solves = 0
+
+    def add(self, source: str, res: SolverResult) -> int:
+        """The index of ``res``'s plan among the candidates, simulated on first sight."""
+        labels = np.asarray(res.labels, dtype=np.int64)
+        key = labels.tobytes()
+        if key in self.seen:
+            return self.seen[key]
+        inputs, sim, _ = self.evaluate(labels)
+        fits = True
+        if self.limit is not None and source != "additive":
+            fits = bool(self.costs.memory.walk(labels[self.groups.group_of]).peak_bytes
+                        <= self.limit)
+        self.cands.append(Candidate(source, labels, float(self.mrf.evaluate(labels)),
+                                    float(sim.step_time_us), fits, res))
+        self.shares.append(exposed_shares(inputs, sim))
+        self.seen[key] = len(self.cands) - 1
+        return self.seen[key]
+
+    def rounds(self, current: int, prefix: str, domain: Restriction | None = None,
+               visited: list[int] | None = None) -> str:
+        """Re-weight and re-solve from candidate ``current`` (``domain``: within that
+        restriction of the MRF); returns the stop reason. ``visited`` gains the index of
+        every plan a re-solve returns."""
+        visited = [] if visited is None else visited
+        weights = np.ones(len(self.cm.edges))
+        for it in range(1, int(self.cfg.solver.step_time_rounds) + 1):
+            step = DAMPING * (self.shares[current] - weights)
+            weights = weights + step
+            m = self.surrogate.mrf(weights)
+            try:
+                if domain is None:
+                    res = self.solve(m)
+                else:
+                    res = self.solve(restrict(m, _as_keep(domain)).mrf)
+                    res = dataclasses.replace(res, labels=domain.expand(res.labels))
+            except (FractionalRelaxationError, NoFeasibleLabelingError, PlanError) as err:
+                # lp: a re-weighted relaxation may be fractional (the additive one was
+                # integral); an exact solve may stop without a plan: the search ends, recorded
+                stop = f"re-solve {it} gave no plan: {str(err).splitlines()[0]}"
+                log.warning("step-time search%s: %s", f" ({prefix})" if prefix else "", stop)
+                return stop
+            self.solves += 1
+            key = np.asarray(res.labels, dtype=np.int64).tobytes()
+            if key in self.seen:
+                again = self.seen[key]
+                visited.append(again)
+                if again == current and float(np.abs(step).max(initial=0.0)) <= WEIGHT_TOL:
+                    return "fixed point"
+                current = again  # its shares again, the weights damped on
+                continue
+            current = self.add(f"{prefix}step-time round {it}", res)
+            visited.append(current)
+        return "rounds"
+
+    def recipe(self, name: str, entry: dict[str, Any]) -> dict[str, Any]:
+        """The candidates of recipe ``name`` (its domain ``entry`` from the topology,
+        pipeline/stages/topology/recipe_domains.py): the configured solver on the additive
+        objective within the recipe's labels, then its step-time rounds; returns its
+        record entry (``skipped`` / ``discarded`` with the reason, else its candidates).
+        When the recipe's parameter placements break the run's constraints (the default
+        parameter-memory budget shards every parameter as far as it goes; a recipe
+        replicates some), the recipe is searched again with its parameters' groups free
+        (``recipe:<name>/params``: the recipe's activations, the parameters placed within
+        the budget and gathered where the recipe needs them)."""
+        if "skipped" in entry:
+            return {"skipped": entry["skipped"]}
+        reason = _intra_node_reason(self.cfg, name)
+        if reason is not None:
+            return {"skipped": reason}
+        keep = {int(g): np.asarray(ks, dtype=np.int64) for g, ks in entry["labels"].items()}
+        out: dict[str, Any] = {"inputs_moved": bool(entry.get("inputs_moved", False))}
+        why, visited = self._domain(f"recipe:{name}", keep)
+        if why is None:
+            return {**out, **self._best(visited)}
+        out["discarded"] = why
+        nodes = self.costs.topology.nodes
+        params = {int(self.groups.group_of[i]) for i, (r, t) in
+                  enumerate(zip(nodes["role"], nodes["target"]))
+                  if r == "param" and t == "placeholder"}
+        relaxed = {g: ks for g, ks in keep.items() if g not in params}
+        why, visited = self._domain(f"recipe:{name}/params", relaxed)
+        if why is not None:
+            return {**out, "params_free": {"discarded": why}}
+        return {**out, "params_free": self._best(visited)}
+
+    def _best(self, visited: list[int]) -> dict[str, Any]:
+        """The best plan the search of a domain returned (``best``: its candidate's source,
+        which may be an earlier domain's when the plans coincide)."""
+        best = min(visited, key=lambda k: (self.cands[k].step_time_us, k))
+        return {"best": self.cands[best].source, "step_time_us": self.cands[best].step_time_us}
+
+    def _domain(self, prefix: str, keep: dict[int, np.ndarray]) -> tuple[str | None, list[int]]:
+        """Search the MRF restricted to ``keep`` (its additive solve, then its rounds):
+        ``(None, the candidates it returned)``, or ``(why it gave none, [])``."""
+        allowed = allowed_unaries(self.mrf)  # the run's pins and exactly tight rows
+        for g, ks in sorted(keep.items()):
+            if not np.isfinite(allowed[g][ks]).any():
+                node = self.costs.topology.nodes["name"][self.groups.members[g][0]]
+                return (f"the recipe's plan violates the run's constraints at node {node} "
+                        "(the parameter-memory budget or a pin)"), []
+        domain = restrict(self.mrf, keep)
+        try:
+            res = self.solve(domain.mrf)
+        except (FractionalRelaxationError, NoFeasibleLabelingError, PlanError) as err:
+            return ("no plan within the recipe's pins and the run's constraints: "
+                    f"{str(err).splitlines()[0]}"), []
+        labels = domain.expand(res.labels)
+        broken = [r.name for r in self.mrf.linear_constraints
+                  if not row_holds(r, row_value(r, labels))]
+        if broken:
+            return f"the recipe's plan violates {', '.join(broken)}", []
+        if not math.isfinite(float(self.mrf.evaluate(labels))):
+            return "the recipe's plan has an infinite cost (a forbidden pair)", []
+        visited = [self.add(prefix, dataclasses.replace(res, labels=labels))]
+        self.rounds(visited[0], prefix + " ", domain, visited)
+        return None, visited
+
+
+def _as_keep(domain: Restriction) -> dict[int, np.ndarray]:
+    return {g: k for g, k in enumerate(domain.keep)}
+
+
+def _intra_node_reason(cfg: Any, name: str) -> str | None:
+    """Why recipe ``name`` has no plan under ``constraints.model_parallel=intra_node``
+    (its ``tp`` or ``cp`` on a mesh dim that spans nodes), or None."""
+    if str(cfg.constraints.get("model_parallel") or "") != "intra_node":
+        return None
+    from pipeline.core.recipes import recipe_dim_roles
+    from pipeline.costmodel.model_parallel import cross_node_dims
+
+    names = [str(n) for n in cfg.mesh_names]
+    crossing = cross_node_dims(tuple(int(m) for m in cfg.mesh), int(cfg.hardware.gpus_per_node))
+    for d, role in enumerate(recipe_dim_roles(name, names)):
+        if role in ("tp", "cp") and d in crossing:
+            return (f"recipe={name}: constraints.model_parallel=intra_node and its {role} "
+                    f"dim {names[d]} spans nodes")
+    return None
+
+
 def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
                      solve: Callable[[MRF], SolverResult], weight_derived: list[bool],
                      ) -> SearchOutcome:
@@ -151,55 +317,14 @@ def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
     from pipeline.solvers.registry import get_solver
 
     start = time.perf_counter()
-    topology = costs.topology
-    cm = costs.cost_model()
-    groups = group_structure(topology)
-    mesh_names = [str(m) for m in cfg.mesh_names]
-    evaluate = _Evaluator(topology, cm, groups, weight_derived, mesh_names)
-    limit = costs.memory.limit if costs.memory is not None else None
-
-    def candidate(source: str, res: SolverResult) -> tuple[Candidate, StepInputs, StepTime]:
-        labels = np.asarray(res.labels, dtype=np.int64)
-        inputs, sim, _ = evaluate(labels)
-        fits = True
-        if limit is not None and source != "additive":
-            fits = bool(costs.memory.walk(labels[groups.group_of]).peak_bytes <= limit)
-        return Candidate(source, labels, float(mrf.evaluate(labels)), float(sim.step_time_us),
-                         fits, res), inputs, sim
-
-    cand, inputs, sim = candidate("additive", first)
-    cands = [cand]
-    shares = [exposed_shares(inputs, sim)]  # per candidate: its plan's exposed shares
-    seen = {cand.labels.tobytes(): 0}
-    stop, current = "rounds", 0
-    weights = np.ones(len(cm.edges))
-    surrogate = Surrogate(mrf, cm, groups)
-    solves = 0
-    for it in range(1, int(cfg.solver.step_time_rounds) + 1):
-        step = DAMPING * (shares[current] - weights)
-        weights = weights + step
-        try:
-            res = solve(surrogate.mrf(weights))
-        except (FractionalRelaxationError, PlanError) as err:
-            # lp: a re-weighted relaxation may be fractional (the additive one was
-            # integral); an exact solve may stop without a plan: the search ends, recorded
-            stop = f"re-solve {it} gave no plan: {str(err).splitlines()[0]}"
-            log.warning("step-time search: %s", stop)
-            break
-        solves += 1
-        key = np.asarray(res.labels, dtype=np.int64).tobytes()
-        if key in seen:
-            again = seen[key]
-            if again == current and float(np.abs(step).max(initial=0.0)) <= WEIGHT_TOL:
-                stop = "fixed point"
-                break
-            current = again  # its shares again, the weights damped on
-            continue
-        cand, inputs, sim = candidate(f"step-time round {it}", res)
-        seen[key] = current = len(cands)
-        cands.append(cand)
-        shares.append(exposed_shares(inputs, sim))
+    search = _Search(cfg, costs, mrf, solve, weight_derived)
+    search.add("additive", first)
+    stop = search.rounds(0, "")
+    recipes = {str(name): search.recipe(str(name), entry) for name, entry in
+               sorted((costs.topology.summary.get("recipe_domains") or {}).items())}
     search_seconds = time.perf_counter() - start
+    cands, solves, cm, groups = search.cands, search.solves, search.cm, search.groups
+    mesh_names = [str(m) for m in cfg.mesh_names]
 
     fitting = [k for k, c in enumerate(cands) if c.fits]
     chosen = min(fitting, key=lambda k: (cands[k].step_time_us, k))
@@ -226,6 +351,7 @@ def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
         "stop": stop,
         "solves": solves,
         "chosen": best.source,
+        "recipes": recipes,
         "candidates": [{"source": c.source, "additive_us": c.additive_us,
                         "step_time_us": c.step_time_us, "fits": c.fits} for c in cands],
         "search_seconds": search_seconds,

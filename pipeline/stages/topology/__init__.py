@@ -22,6 +22,8 @@ module                job
 ``pins``              ``constraints.inputs`` / ``outputs`` / ``nodes`` applied to groups
 ``recipe_pins``       a recipe's pins: parameters, residual stream, and per mesh dim every
                       node the textbook plan fixes (module roles, propagation, anchors)
+``recipe_domains``    a planner run's recipes as restrictions of its domains (the solve
+                      stage's recipe candidates)
 ``artifacts``         ``nodes.parquet``, ``strategies.parquet``, ``edges.parquet``,
                       ``topology.json``: written and read back
 ``stage``             :func:`build_topology` (the steps in order) and :func:`run_topology`

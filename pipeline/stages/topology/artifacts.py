@@ -11,7 +11,9 @@ In the stage directory:
 * ``edges.parquet``: ``producer, element, consumer, arg`` per tensor argument use;
 * ``topology.json``: counts, fallback ops, the strategy-function calls DTensor
   refused per op (``strategy_rejections``, absent in older files: read it with
-  ``.get``), applied pins, the repeated layers (key ``repeated_blocks``), timings;
+  ``.get``), applied pins, the repeated layers (key ``repeated_blocks``), timings, and a
+  planner run's recipes as restrictions of its domains (``recipe_domains``: per recipe
+  the labels it keeps of each group it restricts, or why it is skipped; recipe_domains.py);
   written last, the stage's sentinel.
 
 The cost stage reads them with :func:`read_topology` (plain Python / numpy, no
@@ -126,7 +128,8 @@ def _summary(topo: Topology, meta: dict[str, Any]) -> dict[str, Any]:
             "fallback_nodes": sum(topo.fallback_ops.values())},
         "fallback_ops": topo.fallback_ops, "strategy_rejections": topo.strategy_rejections,
         "pins": topo.pins,
-        "repeated_blocks": topo.repeated_layers, "seconds": topo.seconds})
+        "repeated_blocks": topo.repeated_layers, "seconds": topo.seconds,
+        "recipe_domains": {d.recipe: d.to_record() for d in topo.recipe_domains}})
     return summary
 
 

@@ -78,6 +78,8 @@ class Topology:
         seconds: phase timings.
         strategy_rejections: per op, the strategy-function calls DTensor refused
             (:meth:`StrategyEnumerator.rejections`).
+        recipe_domains: a planner run's recipes as restrictions of its domains
+            (:class:`~pipeline.stages.topology.recipe_domains.RecipeDomain`).
     """
 
     mesh_shape: tuple[int, ...]
@@ -92,6 +94,7 @@ class Topology:
     repeated_layers: list[dict]
     seconds: dict[str, float]
     strategy_rejections: dict[str, int] = field(default_factory=dict)
+    recipe_domains: list[Any] = field(default_factory=list)
 
 
 class StrategyTable:
@@ -125,6 +128,15 @@ class StrategyTable:
 
     def __getitem__(self, index: int) -> StrategyList:
         return self.lists[index]
+
+    def copy(self) -> StrategyTable:
+        """A table with the same lists at the same indices; lists interned into the copy
+        are not added to this one."""
+        out = StrategyTable()
+        out.lists = list(self.lists)
+        out._index = dict(self._index)
+        out._shared = dict(self._shared)
+        return out
 
 
 def graph_problem_nodes(nodes: list[IRNode], enumerator: StrategyEnumerator,

@@ -312,6 +312,21 @@ def _propagate(d: int, tp: bool, ctx: RecipeContext, problem: list[ProblemNode],
     consumers = _consumers(problem)
     role_of = {m.id: module_role(paths[m.id], m.layer, ctx.modules) for m in problem}
     state: dict[int, Any] = {}
+    # the copies of a repeated layer share their strategy lists and see the same
+    # placements: each selection is made once per (list, what is asked)
+    memo: dict[tuple, list[int]] = {}
+
+    def outputs_at(strategies: Any, want: Any) -> list[int]:
+        key = (id(strategies), "out", want)
+        if key not in memo:
+            memo[key] = [k for k, o in enumerate(strategies.outputs) if _proj(o, d) == want]
+        return memo[key]
+
+    def matching(strategies: Any, want: list[Any]) -> list[int]:
+        key = (id(strategies), "in", tuple(want))
+        if key not in memo:
+            memo[key] = _matching(strategies, want, d)
+        return memo[key]
 
     def keep(m: ProblemNode, ks: list[int], shown: Any) -> None:
         previous = pins.keep.get(m.id)
@@ -350,21 +365,21 @@ def _propagate(d: int, tp: bool, ctx: RecipeContext, problem: list[ProblemNode],
         if tp and (m.id in adds or (m.phase == "fwd" and role != "embedding" and any(
                 role_of[u] == "embedding" for u, _ in m.producers))):
             # the residual stream, and the embedding's output entering it: S(1)
-            ks = [k for k, o in enumerate(strategies.outputs) if _proj(o, d) == Shard(1)]
+            ks = outputs_at(strategies, Shard(1))
         elif tp and role == "row" and m.phase == "bwd" and any(
                 role_of[u] != "row" and not derived[u] for u, _ in m.producers):
             # a row-parallel linear's output gradient, all-gathered over the sequence
-            ks = [k for k, o in enumerate(strategies.outputs) if _proj(o, d) == Replicate()]
+            ks = outputs_at(strategies, Replicate())
         elif tp and role == "norm" and m.phase == "fwd" and any(
                 role_of[c] != "norm" and problem[c].phase == "fwd"
                 for c, _ in consumers.get(m.id, [])):
-            ks = [k for k, o in enumerate(strategies.outputs) if _proj(o, d) == Replicate()]
+            ks = outputs_at(strategies, Replicate())
         elif tp and role == "norm" and m.phase == "bwd":
             want = [Shard(1) if _has_sequence(meta) else (_FREE if g is _UNKNOWN else g)
                     for meta, g in zip(m.in_metas, got, strict=True)]
-            ks = _matching(strategies, want, d)
+            ks = matching(strategies, want)
         elif all(g is not _UNKNOWN for g in got):
-            ks = _matching(strategies, got, d) or None
+            ks = matching(strategies, got) or None
         if ks is None:
             continue
         if not ks:

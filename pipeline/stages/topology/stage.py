@@ -22,6 +22,7 @@ from pipeline.stages.topology.problem import (
     problem_edges,
     set_param_ratios,
 )
+from pipeline.stages.topology.recipe_domains import recipe_contexts, recipe_domains
 from pipeline.stages.topology.recipe_pins import apply_dim_pins, dim_pins
 from pipeline.stages.topology.strategies import StrategyEnumerator
 
@@ -29,7 +30,7 @@ from pipeline.stages.topology.strategies import StrategyEnumerator
 def build_topology(nodes: list[IRNode], mesh: Any, mesh_shape: tuple[int, ...],
                    mesh_names: tuple[str, ...], constraints: dict[str, Any],
                    tie_repeated_layers: bool, tied_params: dict[str, str] | None = None,
-                   workers: int = 1) -> Topology:
+                   workers: int = 1, recipes: list[dict[str, Any]] | None = None) -> Topology:
     """Build the placement problem from the decoded graph (see pipeline/stages/topology/).
 
     ``constraints`` keys used here: ``inputs``, ``outputs`` and ``nodes`` (pins,
@@ -55,18 +56,23 @@ def build_topology(nodes: list[IRNode], mesh: Any, mesh_shape: tuple[int, ...],
                            tie_fwd_bwd=bool(constraints.get("fwd_bwd_consistency", True)),
                            tie_repeated_layers=tie_repeated_layers)
     set_param_ratios(problem, table, mesh_shape)
+    before = [m.strategy_list for m in problem]
     pins = apply_pins(requests, problem, table, grouping)
     if pin_spec.recipe is not None:  # every other node the recipe fixes, per mesh dim
         per_dim = dim_pins(pin_spec.recipe, problem, table, nodes, pin_spec.inputs)
         pins = {**apply_dim_pins(per_dim, problem, table, grouping, len(mesh_shape)), **pins}
+    domains_start = time.perf_counter()
+    domains = recipe_domains(recipes or [], constraints, nodes, problem, table, before,
+                             grouping, len(mesh_shape), tied_params)
+    domains_seconds = time.perf_counter() - domains_start
     return Topology(
         mesh_shape=mesh_shape, mesh_names=mesh_names, nodes=problem,
         strategy_lists=table.lists, edges=edges, group_of=grouping.group_of,
         groups=grouping.groups, fallback_ops=fallback_ops, pins=pins,
         repeated_layers=grouping.repeated_layers,
         seconds={"strategies": strategies_seconds, "total": time.perf_counter() - start,
-                 "dtensor_enumeration": enumerator.seconds},
-        strategy_rejections=enumerator.rejections())
+                 "dtensor_enumeration": enumerator.seconds, "recipe_domains": domains_seconds},
+        strategy_rejections=enumerator.rejections(), recipe_domains=domains)
 
 
 def device_mesh(mesh_shape: tuple[int, ...], mesh_names: tuple[str, ...]) -> Any:
@@ -94,7 +100,9 @@ def run_topology(cfg: Any, trace_dir: Path, out_dir: Path) -> None:
         mesh = device_mesh(mesh_shape, mesh_names)
         topo = build_topology(nodes, mesh, mesh_shape, mesh_names, constraints,
                               bool(cfg.repeated_layers), tied_params=tied,
-                              workers=resolve_workers(int(cfg.get("workers", 1))))
+                              workers=resolve_workers(int(cfg.get("workers", 1))),
+                              recipes=recipe_contexts(cfg))
     write_topology(topo, Path(out_dir), {
         "stage": "topology", "tied_parameters": tied, "phase_seconds": timer.seconds,
         "peak_rss_bytes": runtime.peak_rss_bytes(), "git": runtime.git_revision()})
+
