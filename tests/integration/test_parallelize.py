@@ -79,8 +79,14 @@ def _applied(overrides: list[str]) -> tuple[dict, dict, object]:
         got = applied["placements"][p["fqn"]]
         tokens = _tokens(p["placement"])
         if len(set(tokens)) == 1 and tokens[0].startswith("S(") and len(tokens) > 1:
-            # sharded over every dim alike: one Shard of the flattened dim, not HSDP
-            assert got["applied"] == f"{tokens[0]} on {'_'.join(cfg.mesh_names)}", got
+            # sharded over every dim alike: never HSDP (nothing replicated); on dim 0,
+            # FSDP2's, one Shard of the flattened dim; on another dim (the step-time search
+            # may choose one) the plan's placement on each dim, placed directly
+            flat = f"{tokens[0]} on {'_'.join(cfg.mesh_names)}"
+            direct = f"{''.join(tokens)} on {','.join(cfg.mesh_names)}"
+            assert got["applied"] == (flat if tokens[0] == "S(0)" else direct) or (
+                got["applied"] == flat), got
+            assert got["local_shape"] == got["planned_local_shape"], got
     world = math.prod(int(m) for m in cfg.mesh)
     assert record["processes"] == world
     return applied, plan, cfg
