@@ -81,6 +81,9 @@ def test_default_budget_shards_every_parameter(dp8: Path) -> None:
 
 
 @pytest.mark.toy_runs(*DP8_RUNS)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "the step-time objective (issue #24) no longer returns the additive optimum's DDP plan "
+    "without the budget; to be re-derived on solver.objective=additive runs"))
 def test_no_budget_replicates_parameters(dp8: Path) -> None:
     rec, sol = _outputs(dp8, "mesh=8", "constraints.param_memory=null")
     assert "param_memory" not in rec
@@ -160,6 +163,9 @@ def test_default_budget_is_fsdp_like(dp8: Path) -> None:
 
 
 @pytest.mark.toy_runs(*DP8_RUNS)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "the step-time objective (issue #24) no longer returns the additive optimum's DDP plan "
+    "without the budget; to be re-derived on solver.objective=additive runs"))
 def test_no_budget_is_ddp_like(dp8: Path) -> None:
     """Weights replicated, activations batch-sharded, every gradient all-reduced on dp in
     float32. A ring all-reduce costs exactly a reduce-scatter then an all-gather (one
