@@ -84,7 +84,7 @@ def _carried(flat_cm: CostModel, flat_strategy: np.ndarray, cm: CostModel) -> np
     return out
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+@pytest.mark.xfail(strict=True, reason=(
     "the fsdp recipe's plan now comes from the step-time search inside its pins (issue "
     "#24); carrying it to 8x8 and 2x4x8 is to be re-derived"))
 @pytest.mark.parametrize("mesh", list(MESHES))
