@@ -128,11 +128,7 @@ def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     with cpu_kernels(op for op in ops if op is not None):
         if not job.get("interpret", True):
             result = {"rank": rank}
-            if job.get("applied", True):
-                start = time.perf_counter()
-                result["applied"] = _applied(rank, job, mesh)
-                timings["applied_step"] = time.perf_counter() - start
-            _timed(rank, job, mesh, result, timings)
+            _applied_and_timed(rank, job, mesh, result, timings)
             result["seconds"] = timings
             return result
         start = time.perf_counter()
@@ -167,10 +163,17 @@ def _run_rank(rank: int, job: dict[str, Any]) -> dict[str, Any]:
                 full, placement = grads[fqn]
                 result["grads"][fqn] = {"shape": list(ref.shape), "placement": placement,
                                         **difference(full, ref)}
-        if job.get("applied", True):
-            start = time.perf_counter()
-            result["applied"] = _applied(rank, job, mesh)
-            timings["applied_step"] = time.perf_counter() - start
-        _timed(rank, job, mesh, result, timings)
+        _applied_and_timed(rank, job, mesh, result, timings)
     result["seconds"] = timings
     return result
+
+
+def _applied_and_timed(rank: int, job: dict[str, Any], mesh: Any, result: dict[str, Any],
+                       timings: dict[str, float]) -> None:
+    """The applied check (unless ``job["applied"]`` is false) and the timed steps, into
+    ``result`` and ``timings``."""
+    if job.get("applied", True):
+        start = time.perf_counter()
+        result["applied"] = _applied(rank, job, mesh)
+        timings["applied_step"] = time.perf_counter() - start
+    _timed(rank, job, mesh, result, timings)
