@@ -42,7 +42,7 @@ def test_flags_map_to_hydra_overrides():
 BAD = [
     (["--model", "gpt", "--solver", "approx", "--output", "{out}"],
      "python -m pipeline.tools.profile: argument --model: invalid choice: 'gpt' (choose from "
-     "'llama1b', 'llama70b', 'llama8b', 'toy')"),
+     "'llama1b', 'llama405b', 'llama70b', 'llama8b', 'toy')"),
     (["--model", "toy", "--solver", "approx"],
      "python -m pipeline.tools.profile: the following arguments are required: --output"),
     (["--model", "toy", "--solver", "greedy", "--output", "{out}"],

@@ -665,7 +665,7 @@ def test_python_m_pipeline_refuses_a_problem_above_max_memory(tmp_path, toy_resu
 LINEAR_4D = ["model=custom", "model.builder._target_=torch.nn.Linear",
              "model.builder.in_features=16", "model.builder.out_features=32",
              "model.inputs=[{name:x,shape:[16,16],dtype:float32}]", "mesh=2,2,2,2",
-             "mesh_names=[pp,dp,cp,tp]", "solver.max_memory=10GiB"]
+             "mesh_names=[dp,cp,tp,ep]", "solver.max_memory=10GiB"]
 #: The estimate of :mod:`pipeline.stages.costs.problem_size` against a run's measured peak RSS.
 ESTIMATE_RTOL = 0.3
 

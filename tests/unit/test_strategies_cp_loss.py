@@ -28,8 +28,8 @@ HW = OmegaConf.create({
     "device_memory_bytes": 80 * 2**30, "hierarchical_all_reduce": False,
     # the 2 x 4 mesh fits one node: every collective runs on NVLink (bus bandwidth 390
     # GB/s, 30 µs a ring pass; an all-reduce is a reduce-scatter + an all-gather)
-    "intra_node": {"bandwidth": 390.0e9, "latency_us": 30.0},
-    "inter_node": {"bandwidth": 50.0e9, "latency_us": 40.0}})
+    "intra_node": {"bandwidth": 390.0e9, "latency_us": 30.0, "hop_latency_us": 0.0},
+    "inter_node": {"bandwidth": 50.0e9, "latency_us": 40.0, "hop_latency_us": 0.0}})
 MESH = (2, 4)
 HBM = 3.35e12 * 0.7  # bytes/s, the roofline's memory side
 
