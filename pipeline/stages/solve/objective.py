@@ -19,7 +19,13 @@ Search (deterministic):
    solves the additive objective with ``comm_e`` replaced by ``w_e comm_e``
    (pipeline/costmodel/reweight.py, ``Surrogate``; same groups, labels and linear
    rows: the parameter-memory budget and the device-memory row and cuts are honoured).
-   Its plan is simulated and becomes a candidate and the current plan.
+   Its plan is simulated and becomes a candidate and the current plan. The re-solves
+   are proposals, not certificates (the surrogate is not the step time), so an exact
+   configured solver (``ilp``, ``lp``) is not spent on them: on toy 2x4x8 one HiGHS
+   solve of a re-weighted MRF took 58-86 s against TRW-S's ~1 s (2026-12-03, this
+   project's 2-core EPYC), and a search of 12 such solves ran past CI's 20 minutes.
+   The exact solver solves the additive problem (step 1) and each recipe's domain
+   (step 4); ``step_time_search.round_solver`` names the re-solves' solver.
 3. **Stop** at a *fixed point*, when the solver returns the plan the weights came from
    and no weight moved by more than :data:`WEIGHT_TOL`, or after
    ``solver.step_time_rounds`` re-solves (``rounds``), or when a re-solve gives no plan
@@ -157,8 +163,9 @@ class _Search:
     once, and the re-weighting rounds of one domain (module docstring, steps 2-3)."""
 
     def __init__(self, cfg: Any, costs: Any, mrf: MRF, solve: Callable[[MRF], SolverResult],
-                 weight_derived: list[bool]):
+                 weight_derived: list[bool], resolve: Callable[[MRF], SolverResult]):
         self.cfg, self.costs, self.mrf, self.solve = cfg, costs, mrf, solve
+        self.resolve = resolve  # the re-weighted re-solves' solver (step 2)
         self.cm = costs.cost_model()
         self.groups = group_structure(costs.topology)
         self.evaluate = _Evaluator(costs.topology, self.cm, self.groups, weight_derived,
@@ -200,9 +207,9 @@ class _Search:
             m = self.surrogate.mrf(weights)
             try:
                 if domain is None:
-                    res = self.solve(m)
+                    res = self.resolve(m)
                 else:
-                    res = self.solve(restrict(m, _as_keep(domain)).mrf)
+                    res = self.resolve(restrict(m, _as_keep(domain)).mrf)
                     res = dataclasses.replace(res, labels=domain.expand(res.labels))
             except (FractionalRelaxationError, NoFeasibleLabelingError, PlanError) as err:
                 # lp: a re-weighted relaxation may be fractional (the additive one was
@@ -310,14 +317,17 @@ def _intra_node_reason(cfg: Any, name: str) -> str | None:
 
 def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
                      solve: Callable[[MRF], SolverResult], weight_derived: list[bool],
-                     ) -> SearchOutcome:
+                     resolve: Callable[[MRF], SolverResult] | None = None,
+                     round_solver: str | None = None) -> SearchOutcome:
     """The search and bound of the module docstring, from the additive solve ``first``
     of ``mrf`` (with the rows the plan was solved under); ``solve`` is the configured
-    solver (with its presolve)."""
+    solver (with its presolve), ``resolve`` the re-weighting rounds' (``None``:
+    ``solve``), named ``round_solver`` in the record (``None``: ``solver.name``)."""
     from pipeline.solvers.registry import get_solver
 
     start = time.perf_counter()
-    search = _Search(cfg, costs, mrf, solve, weight_derived)
+    search = _Search(cfg, costs, mrf, solve, weight_derived,
+                     solve if resolve is None else resolve)
     search.add("additive", first)
     stop = search.rounds(0, "")
     recipes = {str(name): search.recipe(str(name), entry) for name, entry in
@@ -350,6 +360,7 @@ def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
         "objective": "step_time",
         "stop": stop,
         "solves": solves,
+        "round_solver": str(cfg.solver.name) if round_solver is None else round_solver,
         "chosen": best.source,
         "recipes": recipes,
         "candidates": [{"source": c.source, "additive_us": c.additive_us,

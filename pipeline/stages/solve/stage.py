@@ -344,9 +344,14 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     if str(cfg.solver.objective) == "step_time":  # pipeline/stages/solve/objective.py
         from pipeline.stages.solve.objective import step_time_search
 
+        from pipeline.solvers.registry import get_solver
+
+        exact = get_solver(str(cfg.solver.name)).exact  # re-solves by TRW-S (objective.py)
         outcome = step_time_search(cfg, costs, mrf, result,
                                    lambda m: _solve(cfg, m, out_dir)[0],
-                                   _weight_derived(costs, topology))
+                                   _weight_derived(costs, topology),
+                                   resolve=(lambda m: _approx(cfg, m)) if exact else None,
+                                   round_solver="approx" if exact else None)
         result = outcome.result
         timer.add("step_time_bound", outcome.record["bound"]["seconds"])
     solve_wall = time.perf_counter() - start - (
