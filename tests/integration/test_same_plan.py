@@ -26,7 +26,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from fixtures import traced_topology
-
 from omegaconf import OmegaConf
 
 from pipeline.config.readers import fuse_pointwise_config

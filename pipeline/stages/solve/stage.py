@@ -342,9 +342,8 @@ def run_solve(cfg: Any, dirs: Any) -> None:
         mrf = costs.mrf = dataclasses.replace(mrf, linear_constraints=fit.rows)
     outcome = None
     if str(cfg.solver.objective) == "step_time":  # pipeline/stages/solve/objective.py
-        from pipeline.stages.solve.objective import step_time_search
-
         from pipeline.solvers.registry import get_solver
+        from pipeline.stages.solve.objective import step_time_search
 
         exact = get_solver(str(cfg.solver.name)).exact  # re-solves by TRW-S (objective.py)
         outcome = step_time_search(cfg, costs, mrf, result,
