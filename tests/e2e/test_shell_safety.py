@@ -101,7 +101,7 @@ def _check(proc: subprocess.CompletedProcess, workdir: Path, name: str, what: st
 @pytest.mark.slow
 @pytest.mark.toy_runs(("mesh=2",))
 def test_results_dir_reaches_no_shell_unquoted(toy_results):
-    @settings(max_examples=2, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=1, deadline=None, derandomize=True, database=None,
               phases=[Phase.explicit, Phase.generate],
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     @given(st.text(ALPHABET, min_size=1, max_size=12))
