@@ -97,14 +97,31 @@ class Surrogate:
     member edge with ``w_e != 1``, gathered onto the base factor's joint classes (the
     classes :class:`~pipeline.costmodel.factors.FactorProvider` builds, recomputed from the
     member edges' class vectors and checked against the base factor's); a forbidden pair
-    stays forbidden. The redistribution tables and joint classes are memoised across
-    calls (the rounds of a search re-weight the same edges).
+    stays forbidden. The redistribution tables, joint classes and each member's table
+    gathered onto them (``comm_e`` with a forbidden pair as 0) are memoised across calls
+    (the rounds of a search re-weight the same edges): a later call only adds the
+    weighted tables (llama1b 2x4x8: 2.1 s a call before the gathered tables were kept).
     """
 
     def __init__(self, base: MRF, cost_model: Any, groups: Any):
         self.base, self.cm, self.groups = base, cost_model, groups
         self.terms = _Terms(cost_model)
         self._joint: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._parts: dict[tuple[int, int], np.ndarray] = {}
+
+    def _part(self, ge: int, k: int, e: int, flipped: bool) -> np.ndarray:
+        """Member ``k`` (graph edge ``e``) of group edge ``ge``: its redistribution
+        table on the group factor's joint classes, a forbidden pair as 0 (it is +inf
+        in the base table already)."""
+        hit = self._parts.get((ge, k))
+        if hit is None:
+            ur, uc = self._classes(ge)
+            comm = self.terms(e)[2]
+            if flipped:
+                comm = comm.T
+            part = comm[np.ix_(ur[:, k], uc[:, k])]
+            hit = self._parts[(ge, k)] = np.where(np.isinf(part), 0.0, part)
+        return hit
 
     def _classes(self, ge: int) -> tuple[np.ndarray, np.ndarray]:
         """Per member of group edge ``ge``, its row / column class within the joint
@@ -147,16 +164,9 @@ class Surrogate:
             if not moved:
                 continue
             f = base.factor(ge)
-            ur, uc = self._classes(ge)
             table = np.array(f.table, dtype=np.float64, copy=True)
             for k, e, flipped in moved:
-                comm = self.terms(e)[2]
-                if flipped:
-                    comm = comm.T
-                part = comm[np.ix_(ur[:, k], uc[:, k])]
-                # a forbidden pair is +inf in the base table already
-                np.add(table, (float(weight[e]) - 1.0) * np.where(np.isinf(part), 0.0, part),
-                       out=table)
+                table += (float(weight[e]) - 1.0) * self._part(ge, k, e, flipped)
             factors[ge] = PairwiseFactor(f.row_cls, f.col_cls, table)
         unary = list(base.unary)
         for g, inside in enumerate(groups.self_edges):
