@@ -98,6 +98,7 @@ class ParallelizeReport:
     parameters: dict[str, dict[str, Any]]
     units: dict[str, dict[str, Any]]
     fallback: dict[str, str]
+    layouts: dict[str, dict[str, Any]]
     mixed_precision: dict[str, str]
     activation_checkpointing: dict[str, Any]
 
@@ -205,7 +206,7 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
     from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from pipeline.apply.styles import parameter_readings
+    from pipeline.apply.styles import parameter_readings, parameter_uses
     from pipeline.core.ir import load_nodes
 
     if activation_checkpointing not in AC_MODES:
@@ -234,6 +235,7 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
     params: dict[str, dict[str, Any]] = {}
     fallback: dict[str, str] = {}
     new: dict[str, Any] = {}
+    owners: dict[str, list[tuple[Any, str]]] = {}
     for t in plan.parameters:
         shard, replicate, tdim, style, why = _classify(t.name, readings[t.name], data, names)
         stored = plan.placements(t.placement)
@@ -244,7 +246,8 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
         tied = len(occurrences[id(old)]) > 1
         dt = distribute_tensor(old.detach(), mesh, placements, src_data_rank=None)
         param = torch.nn.Parameter(dt, requires_grad=old.requires_grad)
-        for owner, leaf in occurrences[id(old)]:
+        owners[t.name] = occurrences[id(old)]
+        for owner, leaf in owners[t.name]:
             owner.register_parameter(leaf, param)
         new[t.name] = param
         if why is not None:
@@ -322,6 +325,14 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
             fallback[fqn] = "left outside every FSDP2 unit"
             params[fqn]["unit"] = None
             new[fqn].register_hook(functools.partial(_to_placements, new[fqn]))
+    used = parameter_uses(plan, nodes)
+    for fqn in fallback:
+        want = plan.placements(used[fqn])
+        if tuple(want) != tuple(new[fqn].placements) and not any(
+                p.is_partial() for p in want):
+            for owner, leaf in owners[fqn]:
+                _gather_for_use(owner, leaf, new[fqn], mesh, want)
+            fallback[fqn] += f"; used {used[fqn]}: redistributed to it before its module runs"
     for module_name in sorted({f.rpartition(".")[0] for f in fallback}):
         layouts = module_layouts(plan, nodes, module_name)
         _layout_hooks(model.get_submodule(module_name), mesh, *layouts)
@@ -331,8 +342,18 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
                                 + ",".join(_text(p) for p in layouts[0])
                                 + (f", output to {_text(layouts[1])}" if layouts[1] else "")
                                 + " (distribute_module hooks)")
+    layouts: dict[str, dict[str, Any]] = {}
+    for module_name in sorted({f.rpartition(".")[0] for f, info in params.items()
+                               if info["style"] and f not in fallback} - {
+                                   f.rpartition(".")[0] for f in fallback},
+                              key=_module_order(model)):
+        ins, out = module_layouts(plan, nodes, module_name)
+        _layout_hooks(model.get_submodule(module_name), mesh, ins, out)
+        layouts[module_name] = {"inputs": [_text(p) for p in ins],
+                                "output": _text(out) if out else None}
     _wrap_forward(model, uses, mesh, DTensor)
     return ParallelizeReport(parameters=params, units=units, fallback=fallback,
+                             layouts=layouts,
                              mixed_precision={"param_dtype": str(mp.param_dtype),
                                               "reduce_dtype": str(mp.reduce_dtype)},
                              activation_checkpointing=ac)
@@ -378,6 +399,28 @@ def _divide_replicated(mesh: Any, dims: tuple[int, ...], grad: Any) -> Any:
         return grad
     return DTensor.from_local(grad.to_local() / k, grad.device_mesh, grad.placements,
                               run_check=False, shape=grad.shape, stride=grad.stride())
+
+
+def _gather_for_use(module: Any, leaf: str, param: Any, mesh: Any,
+                    placements: tuple[Any, ...]) -> None:
+    """Run ``module``'s forward with parameter ``leaf`` redistributed to the placement
+    the plan uses it in (a fallback parameter stored on one layout and gathered to
+    another before use, as the traced step does); the redistribution's backward brings
+    its gradient back to the stored placement. Leaving the choice to DTensor instead can
+    pick a layout whose pending masked sum does not survive (the row-wise embedding's
+    ``_MaskPartial`` whose mask, made on the tokens before another mesh dim gathers
+    them, no longer fits the output)."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        module._parameters[leaf] = param.redistribute(mesh, placements)
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            module._parameters[leaf] = param
+
+    module.forward = forward
 
 
 def _to_placements(param: Any, grad: Any) -> Any:
@@ -460,20 +503,29 @@ def _layout_hooks(module: Any, mesh: Any, inputs: Sequence[tuple[Any, ...]],
     already)."""
     from torch.distributed.tensor import DTensor, distribute_module
 
+    def target(placements: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+        # a pending sum (Partial, the embedding's masked partial) is what an op makes,
+        # not a layout to redistribute to: left to the op
+        if placements is None or any(p.is_partial() for p in placements):
+            return None
+        return placements
+
     def input_fn(mod: Any, args: Any, device_mesh: Any) -> Any:
         out, k = [], 0
         for a in args:
             if isinstance(a, DTensor) and k < len(inputs):
-                a = a.redistribute(device_mesh, inputs[k]) if tuple(a.placements) != tuple(
-                    inputs[k]) else a
+                want = target(inputs[k])
+                if want is not None and tuple(a.placements) != tuple(want):
+                    a = a.redistribute(device_mesh, want)
                 k += 1
             out.append(a)
         return tuple(out)
 
     def output_fn(mod: Any, out: Any, device_mesh: Any) -> Any:
-        if output is not None and isinstance(out, DTensor) and tuple(out.placements) != \
-                tuple(output):
-            return out.redistribute(device_mesh, output)
+        want = target(output)
+        if want is not None and isinstance(out, DTensor) and tuple(out.placements) != \
+                tuple(want):
+            return out.redistribute(device_mesh, want)
         return out
 
     distribute_module(module, mesh, input_fn=input_fn, output_fn=output_fn)
