@@ -390,10 +390,23 @@ def _partial_gradients(mesh: Any, dims: tuple[int, ...], hooked: set[int], modul
 
 
 def _divide_replicated(mesh: Any, dims: tuple[int, ...], grad: Any) -> Any:
-    from torch.distributed.tensor import DTensor
+    """The gradient of an unsharded parameter as FSDP2 sums it over the unit's data
+    dims ``dims``: a dim where it is ``Shard`` (torch 2.13's FSDP2 reduce-scatters the
+    local tensor as it is there, and overruns its buffer with a smaller one) is gathered
+    to ``Replicate`` first; then divided by the product of the sizes of the dims where it
+    is ``Replicate`` (every rank there holds the whole value, which the sum would count
+    that many times); a ``Partial`` dim is a partial sum already."""
+    from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(grad, DTensor):
         return grad
+    if any(grad.placements[d].is_shard() for d in dims):
+        # FSDP2 reduce-scatters the local gradient as it is on its data dims (a partial
+        # sum or a replicated copy): one DTensor computed sharded there (a context-
+        # parallel dim of the sequence-sharded activations) is gathered first
+        grad = grad.redistribute(grad.device_mesh, tuple(
+            Replicate() if d in dims and p.is_shard() else p
+            for d, p in enumerate(grad.placements)))
     k = math.prod(mesh.shape[d] for d in dims if grad.placements[d].is_replicate())
     if k == 1:
         return grad
