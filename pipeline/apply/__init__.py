@@ -19,6 +19,10 @@ module                              job
 :mod:`pipeline.apply.parallelize`   :func:`parallelize`: the plan applied to the
                                     user's module in place (FSDP2, tensor-parallel
                                     placements, fallback), with its report
+:mod:`pipeline.apply.layouts`       the plan's activation layouts at module
+                                    boundaries and the hooks that apply them
+                                    (:func:`~pipeline.apply.layouts.layout_hooks`,
+                                    :func:`~pipeline.apply.layouts.gather_for_use`)
 :mod:`pipeline.apply.styles`        export: :func:`torch_styles` (FSDP2 ``fully_shard``
                                     mesh dims and tensor-parallel ``parallelize_module``
                                     styles, when the plan matches them, with the

@@ -34,20 +34,31 @@ dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...))``):
    (divide factor 1) instead of FSDP2's default average, after a hook on each
    unsharded parameter divides a gradient DTensor computed ``Replicate`` on one of the
    unit's dims (the same on every rank there) by that dim's size; a ``Partial`` one is
-   a partial sum already.
+   a partial sum already; one computed ``Shard`` on a unit dim (a context-parallel dim)
+   is gathered there first (FSDP2 reduce-scatters the local tensor as it is).
 4. **The rest** (a parameter whose placement is no FSDP and no tensor-parallel style:
    stored on one layout, used on another that is not its gather; one with no data dim
-   at all) is placed by ``distribute_tensor`` with the plan's stored placement, DTensor
-   redistributes it where the ops need it, and a gradient hook redistributes its
-   gradient back to the stored placement; every such parameter is listed in the
-   report's ``fallback`` with the reason, never dropped.
-5. **Activations.** The model's positional inputs become DTensors in the plan's input
+   at all) is placed by ``distribute_tensor`` with the plan's stored placement,
+   redistributed to the placement the plan uses it in each time its module runs (the
+   redistribution's backward returns the gradient), its module's inputs and output
+   redistributed to the plan's layouts (``distribute_module`` hooks), and a gradient
+   hook redistributes its gradient back to the stored placement; every such parameter
+   is listed in the report's ``fallback`` with the reason, never dropped.
+5. **Module layouts.** A module owning a tensor-parallel parameter gets the plan's
+   activation layouts at its boundaries (``PrepareModuleInput`` / ``PrepareModuleOutput``
+   semantics, the same hooks): its inputs redistributed to the layouts its first ops
+   take, its output to the layout its first consumer outside takes (Megatron-SP: the
+   row-wise embedding's masked partial reduce-scattered to ``Shard(1)`` once, at its
+   output, as ``RowwiseParallel(output_layouts=Shard(1))``; DTensor's ``_MaskPartial``
+   releases its mask at its first reduction, so a second reader failed). A ``Partial``
+   target is left to the op that makes it. Listed in the report's ``layouts``.
+6. **Activations.** The model's positional inputs become DTensors in the plan's input
    placements (full tensors split locally), DTensor's implicit replication is turned on
    for the process at the first forward (a plain tensor the module creates, such as
    GPT-2's position ids, is taken as replicated, in forward and in the backward the
    caller runs), and a DTensor loss is redistributed to ``Replicate`` as the plan's
    loss.
-6. **Activation checkpointing** per the run's ``memory.activation_checkpointing``:
+7. **Activation checkpointing** per the run's ``memory.activation_checkpointing``:
    ``full`` recomputes every ``nn.ModuleList`` element in backward
    (``torch.utils.checkpoint``, non-reentrant), ``selective`` saves the outputs of
    matmuls and attention and recomputes the rest
@@ -67,6 +78,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.apply.layouts import gather_for_use, input_uses, layout_hooks, module_layouts
 from pipeline.core.errors import PlanError
 from pipeline.plan.format import Plan, check_mesh
 
@@ -91,6 +103,8 @@ class ParallelizeReport:
             "parameters": [fqn]}}`` in the order ``fully_shard`` was called.
         fallback: ``{fqn: reason}`` of parameters no FSDP2 / tensor-parallel style
             expresses, placed with ``distribute_tensor`` and a gradient hook.
+        layouts: ``{module fqn: {"inputs": [placements], "output": placements or
+            None}}`` of the tensor-parallel modules' boundary layouts.
         mixed_precision: ``{"param_dtype", "reduce_dtype"}``.
         activation_checkpointing: the mode and the modules it wraps.
     """
@@ -98,6 +112,7 @@ class ParallelizeReport:
     parameters: dict[str, dict[str, Any]]
     units: dict[str, dict[str, Any]]
     fallback: dict[str, str]
+    layouts: dict[str, dict[str, Any]]
     mixed_precision: dict[str, str]
     activation_checkpointing: dict[str, Any]
 
@@ -205,7 +220,7 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
     from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from pipeline.apply.styles import parameter_readings
+    from pipeline.apply.styles import parameter_readings, parameter_uses
     from pipeline.core.ir import load_nodes
 
     if activation_checkpointing not in AC_MODES:
@@ -234,6 +249,7 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
     params: dict[str, dict[str, Any]] = {}
     fallback: dict[str, str] = {}
     new: dict[str, Any] = {}
+    owners: dict[str, list[tuple[Any, str]]] = {}
     for t in plan.parameters:
         shard, replicate, tdim, style, why = _classify(t.name, readings[t.name], data, names)
         stored = plan.placements(t.placement)
@@ -244,7 +260,8 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
         tied = len(occurrences[id(old)]) > 1
         dt = distribute_tensor(old.detach(), mesh, placements, src_data_rank=None)
         param = torch.nn.Parameter(dt, requires_grad=old.requires_grad)
-        for owner, leaf in occurrences[id(old)]:
+        owners[t.name] = occurrences[id(old)]
+        for owner, leaf in owners[t.name]:
             owner.register_parameter(leaf, param)
         new[t.name] = param
         if why is not None:
@@ -322,17 +339,35 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
             fallback[fqn] = "left outside every FSDP2 unit"
             params[fqn]["unit"] = None
             new[fqn].register_hook(functools.partial(_to_placements, new[fqn]))
+    used = parameter_uses(plan, nodes)
+    for fqn in fallback:
+        want = plan.placements(used[fqn])
+        if tuple(want) != tuple(new[fqn].placements) and not any(
+                p.is_partial() for p in want):
+            for owner, leaf in owners[fqn]:
+                gather_for_use(owner, leaf, new[fqn], mesh, want)
+            fallback[fqn] += f"; used {used[fqn]}: redistributed to it before its module runs"
     for module_name in sorted({f.rpartition(".")[0] for f in fallback}):
         layouts = module_layouts(plan, nodes, module_name)
-        _layout_hooks(model.get_submodule(module_name), mesh, *layouts)
+        layout_hooks(model.get_submodule(module_name), mesh, *layouts)
         for f in fallback:
             if f.rpartition(".")[0] == module_name:
                 fallback[f] += (f"; module {module_name or 'root'}: inputs to "
                                 + ",".join(_text(p) for p in layouts[0])
                                 + (f", output to {_text(layouts[1])}" if layouts[1] else "")
                                 + " (distribute_module hooks)")
+    layouts: dict[str, dict[str, Any]] = {}
+    for module_name in sorted({f.rpartition(".")[0] for f, info in params.items()
+                               if info["style"] and f not in fallback} - {
+                                   f.rpartition(".")[0] for f in fallback},
+                              key=_module_order(model)):
+        ins, out = module_layouts(plan, nodes, module_name)
+        layout_hooks(model.get_submodule(module_name), mesh, ins, out)
+        layouts[module_name] = {"inputs": [_text(p) for p in ins],
+                                "output": _text(out) if out else None}
     _wrap_forward(model, uses, mesh, DTensor)
     return ParallelizeReport(parameters=params, units=units, fallback=fallback,
+                             layouts=layouts,
                              mixed_precision={"param_dtype": str(mp.param_dtype),
                                               "reduce_dtype": str(mp.reduce_dtype)},
                              activation_checkpointing=ac)
@@ -369,10 +404,23 @@ def _partial_gradients(mesh: Any, dims: tuple[int, ...], hooked: set[int], modul
 
 
 def _divide_replicated(mesh: Any, dims: tuple[int, ...], grad: Any) -> Any:
-    from torch.distributed.tensor import DTensor
+    """The gradient of an unsharded parameter as FSDP2 sums it over the unit's data
+    dims ``dims``: a dim where it is ``Shard`` (torch 2.13's FSDP2 reduce-scatters the
+    local tensor as it is there, and overruns its buffer with a smaller one) is gathered
+    to ``Replicate`` first; then divided by the product of the sizes of the dims where it
+    is ``Replicate`` (every rank there holds the whole value, which the sum would count
+    that many times); a ``Partial`` dim is a partial sum already."""
+    from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(grad, DTensor):
         return grad
+    if any(grad.placements[d].is_shard() for d in dims):
+        # FSDP2 reduce-scatters the local gradient as it is on its data dims (a partial
+        # sum or a replicated copy): one DTensor computed sharded there (a context-
+        # parallel dim of the sequence-sharded activations) is gathered first
+        grad = grad.redistribute(grad.device_mesh, tuple(
+            Replicate() if d in dims and p.is_shard() else p
+            for d, p in enumerate(grad.placements)))
     k = math.prod(mesh.shape[d] for d in dims if grad.placements[d].is_replicate())
     if k == 1:
         return grad
@@ -388,95 +436,6 @@ def _to_placements(param: Any, grad: Any) -> Any:
     if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
         return grad.redistribute(param.device_mesh, param.placements)
     return grad
-
-
-def input_uses(plan: Plan, nodes: Sequence[Any]) -> list[tuple[Any, ...]]:
-    """The placement each model input is *used* in: the one its first forward consumer
-    expects (a local slice of the stored placement when they differ, as the traced step
-    does), else its stored placement."""
-    by_name = {n.name: n for n in nodes}
-    pnode = {n.name: n for n in plan.nodes}
-    out = []
-    for t in plan.inputs:
-        ph = by_name.get(t.node)
-        users = sorted((n for n in nodes if ph is not None and ph.idx in n.refs
-                        and n.kind != "output" and n.phase == "fwd"), key=lambda n: n.idx)
-        text = t.placement
-        if users and users[0].name in pnode:
-            want = pnode[users[0].name].inputs[users[0].refs.index(ph.idx)]
-            text = want if "P" not in want else text
-        out.append(plan.placements(text))
-    return out
-
-
-def module_layouts(plan: Plan, nodes: Sequence[Any], module: str
-                   ) -> tuple[list[tuple[Any, ...]], tuple[Any, ...] | None]:
-    """The activation layouts the plan gives a module's forward: the placement its first
-    op expects for each activation coming from outside (in order of first use: the
-    module's tensor inputs), and the placement the first op outside expects for its
-    output (None when nothing outside reads it)."""
-    pnode = {n.name: n for n in plan.nodes}
-    by_idx = {n.idx: n for n in nodes}
-
-    def inside(n: Any) -> bool:
-        path = n.module_path or ""
-        return n.phase == "fwd" and n.kind == "call_function" and (
-            path == module or (module != "" and path.startswith(module + ".")))
-
-    mine = [n for n in nodes if inside(n)]
-    ids = {n.idx for n in mine}
-    inputs: list[tuple[Any, ...]] = []
-    seen: set[int] = set()
-    for n in mine:
-        for k, r in enumerate(n.refs):
-            src = by_idx[r]
-            if r in ids or r in seen or (src.kind == "placeholder" and src.role != "input"):
-                continue
-            if src.kind == "call_function" and src.target in _PASS_THROUGH and all(
-                    by_idx[q].kind == "placeholder" and by_idx[q].role != "input"
-                    for q in src.refs):
-                continue  # a cast of a parameter: not an activation
-            seen.add(r)
-            inputs.append(plan.placements(pnode[n.name].inputs[k]))
-    output = None
-    for n in sorted(nodes, key=lambda n: n.idx):
-        if n.phase != "fwd" or n.kind != "call_function" or n.idx in ids:
-            continue
-        hits = [k for k, r in enumerate(n.refs) if r in ids]
-        if hits:
-            output = plan.placements(pnode[n.name].inputs[hits[-1]])
-            break
-    return inputs, output
-
-
-#: Ops between a parameter and the op using it (casts, detach).
-_PASS_THROUGH = frozenset({"aten._to_copy.default", "aten.detach.default", "aten.t.default"})
-
-
-def _layout_hooks(module: Any, mesh: Any, inputs: Sequence[tuple[Any, ...]],
-                  output: tuple[Any, ...] | None) -> None:
-    """Redistribute a module's DTensor inputs and output to the plan's layouts
-    (``distribute_module``'s ``input_fn`` / ``output_fn``; its parameters are DTensors
-    already)."""
-    from torch.distributed.tensor import DTensor, distribute_module
-
-    def input_fn(mod: Any, args: Any, device_mesh: Any) -> Any:
-        out, k = [], 0
-        for a in args:
-            if isinstance(a, DTensor) and k < len(inputs):
-                a = a.redistribute(device_mesh, inputs[k]) if tuple(a.placements) != tuple(
-                    inputs[k]) else a
-                k += 1
-            out.append(a)
-        return tuple(out)
-
-    def output_fn(mod: Any, out: Any, device_mesh: Any) -> Any:
-        if output is not None and isinstance(out, DTensor) and tuple(out.placements) != \
-                tuple(output):
-            return out.redistribute(device_mesh, output)
-        return out
-
-    distribute_module(module, mesh, input_fn=input_fn, output_fn=output_fn)
 
 
 def _wrap_forward(model: Any, uses: Sequence[tuple[Any, ...]], mesh: Any, dtensor: type

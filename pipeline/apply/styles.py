@@ -15,7 +15,8 @@ from pipeline.core.ir import load_nodes
 from pipeline.dtensor.placements import format_placements
 from pipeline.plan.format import Plan
 
-__all__ = ["ModuleStyle", "TorchStyles", "parameter_readings", "torch_styles"]
+__all__ = ["ModuleStyle", "TorchStyles", "parameter_readings", "parameter_uses",
+           "torch_styles"]
 
 #: Ops a parameter passes through on its way to the op that computes with it (casts
 #: and views): the *use* of the parameter is the placement the first of them expects.
@@ -105,26 +106,10 @@ def parameter_readings(plan: Plan, nodes: Sequence[Any] | None = None
         nodes = load_nodes(run_graph(plan))
     names = plan.mesh_names
     ndim = len(names)
-    idx_of = {n.name: n.idx for n in nodes}
     by_idx = {n.idx: n for n in nodes}
-    users: dict[int, list[tuple[Any, int]]] = collections.defaultdict(list)
-    for n in nodes:
-        for k, r in enumerate(n.refs):
-            users[r].append((n, k))
+    users = _users(nodes)
     pnode = {n.name: n for n in plan.nodes}
-
-    def first_use(name: str) -> tuple[str, Any] | None:
-        """(placement the first forward consumer expects, that consumer)."""
-        fwd = sorted((u for u in users[idx_of[name]] if u[0].kind != "output"
-                      and u[0].phase == "fwd"), key=lambda u: u[0].idx)
-        if not fwd:
-            return None
-        user, k = fwd[0]
-        text = pnode[user.name].inputs[k]
-        if user.target in ("aten._to_copy.default", "aten.detach.default") \
-                and text == pnode[name].output:
-            return first_use(user.name) or (text, user)
-        return text, user
+    first_use = _first_use(plan, nodes, users)
 
     def compute_op(user: Any) -> tuple[Any, int | None]:
         """(the first op past casts and views, the position of the weight's branch among
@@ -171,6 +156,49 @@ def parameter_readings(plan: Plan, nodes: Sequence[Any] | None = None
             readings.append(r)
         out[p.name] = readings
     return out
+
+
+def parameter_uses(plan: Plan, nodes: Sequence[Any]) -> dict[str, str]:
+    """``{parameter fqn: placement text it is used in}``: the placement its first forward
+    consumer expects, past casts that keep the stored placement (its stored placement
+    when nothing in forward reads it)."""
+    first_use = _first_use(plan, nodes, _users(nodes))
+    out = {}
+    for p in plan.parameters:
+        use = first_use(p.node)
+        out[p.name] = use[0] if use else p.placement
+    return out
+
+
+def _users(nodes: Sequence[Any]) -> dict[int, list[tuple[Any, int]]]:
+    """``{node idx: [(consumer node, argument position)]}``."""
+    users: dict[int, list[tuple[Any, int]]] = collections.defaultdict(list)
+    for n in nodes:
+        for k, r in enumerate(n.refs):
+            users[r].append((n, k))
+    return users
+
+
+def _first_use(plan: Plan, nodes: Sequence[Any], users: dict[int, list[tuple[Any, int]]]
+               ) -> Any:
+    """``first_use(node name) -> (placement its first forward consumer expects, that
+    consumer) | None``, past ``_to_copy`` / ``detach`` that keep the placement."""
+    idx_of = {n.name: n.idx for n in nodes}
+    pnode = {n.name: n for n in plan.nodes}
+
+    def first_use(name: str) -> tuple[str, Any] | None:
+        fwd = sorted((u for u in users[idx_of[name]] if u[0].kind != "output"
+                      and u[0].phase == "fwd"), key=lambda u: u[0].idx)
+        if not fwd:
+            return None
+        user, k = fwd[0]
+        text = pnode[user.name].inputs[k]
+        if user.target in ("aten._to_copy.default", "aten.detach.default") \
+                and text == pnode[name].output:
+            return first_use(user.name) or (text, user)
+        return text, user
+
+    return first_use
 
 
 def torch_styles(plan: Plan, nodes: Sequence[Any] | None = None) -> TorchStyles:
