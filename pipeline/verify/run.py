@@ -42,6 +42,10 @@ rounding. Written (atomically) to ``verify.json`` beside the plan:
   (``hardware=cpu_epyc2``: the profile calibrated on this machine), their ratio, and
   the load average (:mod:`pipeline.verify.timing`).
 
+A pipelined config (a ``pp`` mesh dim of size > 1) is verified by
+:mod:`pipeline.verify.pipelined` instead: the plan's stages under
+torch.distributed.pipelining, the ``pipelined`` key of ``verify.json``.
+
 Exit status: 0 the plan verified; 1 it did not (``verify.json`` says why) or a
 process failed; 2 bad input (one line on stderr, nothing written): a bad override or
 flag, a model family verify cannot build (``custom``), a traced step that draws random

@@ -97,25 +97,18 @@ def _verify(cfg, **kw):
     return verify(cfg, **kw)
 
 
-@pytest.mark.parametrize("case", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_pipelined_plan_verifies(results: Path, case: str) -> None:
+    """Each case in seconds (the stage solves shared where the sub-mesh and microbatch
+    are the same; about 10 s for a case alone on a loaded 2-core machine)."""
     cfg = _cfg(results, case)
     record = _verify(cfg)
     _check(record, cfg, Path(record["plan"]))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", ["interleaved", "1f1b_dp"])
-def test_pipelined_plan_verifies_slow(results: Path, case: str) -> None:
-    cfg = _cfg(results, case)
-    record = _verify(cfg)
-    _check(record, cfg, Path(record["plan"]))
-    if case == "interleaved":  # rank 0: stages 0 and 2, rank 1: stages 1 and 3
-        assert [[st["stage"] for st in r["stages"]] for r in record["pipelined"]["ranks"]] \
-            == [[0, 2], [1, 3]]
-    else:
-        assert record["pipelined"]["replicas"] == 2
-        assert record["pipelined"]["replica_dims"] == ["dp"]
+    stages = [[st["stage"] for st in r["stages"]] for r in record["pipelined"]["ranks"]]
+    # torch's loop placement: stage s on rank s mod p
+    assert stages == ([[0, 2], [1, 3]] if case == "interleaved" else [[0], [1]])
+    assert record["pipelined"]["replicas"] == (2 if case == "1f1b_dp" else 1)
+    assert record["pipelined"]["replica_dims"] == (["dp"] if case == "1f1b_dp" else [])
 
 
 @pytest.mark.parametrize("case", ["1f1b", "1f1b_dp"])
