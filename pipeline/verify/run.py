@@ -253,6 +253,9 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     started = time.perf_counter()
     if pipeline_degree(cfg) > 1:  # a pipelined plan: pipeline/verify/pipelined.py
         check_inputs(cfg, None, nproc)
+        if measure:
+            raise VerifyUsageError(f"--measure={measure}: timing a pipelined plan is not "
+                                   "built; allowed 0 (leave --measure out)")
         return verify_pipelined(cfg, plan_path=plan_path, seed=seed, output=output,
                                 start_method=start_method)
     check_inputs(cfg, plan_path, nproc)

@@ -9,7 +9,8 @@ loss on that slice of the batch (the schedule split the batch as the plan says, 
 order); every parameter of the model was compared; the per-rank layer ranges are the
 plan file's. A stage whose weight is perturbed fails the check (it can fail). Bad
 input (interleaved with a layer count that does not split into 2 x pp chunks; a plan
-file whose pipeline section was edited): one line, exit 2, nothing written.
+file whose pipeline section was edited; ``--measure``, not built for it): one line,
+exit 2, nothing written.
 """
 
 from __future__ import annotations
@@ -176,3 +177,12 @@ def test_an_edited_pipeline_section_is_refused(results: Path, tmp_path: Path) ->
     last = proc.stderr.strip().splitlines()[-1]
     assert "pipeline.stages[0].modules" in last and "allowed" in last
     assert not (tmp_path / "verify.json").exists()
+
+
+def test_measure_of_a_pipelined_plan_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    proc = _cli(tmp_path, *TINY, *CASES["gpipe"], f"results_dir={out}", "--measure", "3")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("--measure=3:"), lines
+    assert not out.exists()
