@@ -127,7 +127,10 @@ def verify_pipelined(cfg: Any, *, plan_path: Path | None = None,
     path = Path(plan_path) if plan_path is not None else Path(dirs.solve) / PLAN_FILE
     plan = load(path, mesh=tuple(int(s) for s in sub.mesh))
     section = read_section(path, cfg)
-    check_model(plan, build_real_model(model_cfg, seed))
+    model = build_real_model(model_cfg, seed)
+    check_model(plan, model)
+    names = [n for n, _ in model.named_parameters()]
+    del model
     world = math.prod(int(s) for s in cfg.mesh)
     p = int(cfg.mesh[0])
     job = {"world": world, "degree": p, "replicas": world // p,
@@ -140,7 +143,6 @@ def verify_pipelined(cfg: Any, *, plan_path: Path | None = None,
         run_workers(pipelined_worker, (job,), world, start_method)
         spawned = time.perf_counter() - start
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
-    names = [n for n, _ in build_real_model(model_cfg, seed).named_parameters()]
     pipelined = pipelined_record(section, ranks, names, list(cfg.mesh_names)[1:], RTOL)
     record: dict[str, Any] = {
         "run_id": plan.run_id, "plan": str(plan.path), "model": plan.model_name,
