@@ -32,7 +32,8 @@ from pipeline.verify.models import VerifyUsageError, build_real_model, family_of
 from pipeline.verify.pipelined_rank import SCHEDULE_CLASSES, pipelined_worker
 from pipeline.verify.signals import run_workers
 
-__all__ = ["expected_modules", "pipelined_record", "read_section", "verify_pipelined"]
+__all__ = ["expected_modules", "pipelined_record", "read_section", "sends_record",
+           "verify_pipelined"]
 
 #: How the non-``pp`` dims run, written into the record.
 DATA_PARALLEL = ("replicated: every replica holds its stages whole and runs its contiguous "
@@ -144,6 +145,10 @@ def verify_pipelined(cfg: Any, *, plan_path: Path | None = None,
         spawned = time.perf_counter() - start
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
     pipelined = pipelined_record(section, ranks, names, list(cfg.mesh_names)[1:], RTOL)
+    if "error" not in pipelined:
+        pipelined["sends"] = sends_record(section, ranks, path.parent / "run.json",
+                                          str(cfg.model.param_dtype))
+        pipelined["ok"] = bool(pipelined["ok"] and pipelined["sends"]["counts_equal"])
     record: dict[str, Any] = {
         "run_id": plan.run_id, "plan": str(plan.path), "model": plan.model_name,
         "mesh": "x".join(str(int(s)) for s in cfg.mesh), "mesh_names": list(cfg.mesh_names),
@@ -206,3 +211,41 @@ def pipelined_record(section: dict[str, Any], ranks: list[dict[str, Any]],
             "max_grad_rel_diff": max((g["rel_diff"] for g in grads.values()), default=None),
             "max_rel_diff": max_rel, "grads_missing": missing,
             "grads": dict(sorted(grads.items()))}
+
+
+def sends_record(section: dict[str, Any], ranks: list[dict[str, Any]], run_json: Path,
+                 param_dtype: str) -> dict[str, Any]:
+    """The boundary sends counted per stage (:func:`pipeline.verify.pipelined_rank.
+    counting_stage`, replica 0's; every replica sends the same) beside the plan's: stage
+    ``s`` sends one activation per microbatch when it is not the last and one gradient
+    when it is not the first (docs/pipelining.md, "Boundary sends"), each of
+    ``send_bytes / itemsize(param_dtype)`` elements (``run.json``'s ``pipeline.
+    send_bytes``: one device's hidden state ``[microbatch, seq_len, dim]``).
+    ``counts_equal`` is part of the check; ``elements_equal`` is reported beside it (a
+    stage plan that splits the boundary activation over the other dims sends a shard,
+    and verify replicates the stage)."""
+    from pipeline.core.dtypes import itemsize
+
+    m, n = int(section["microbatches"]), len(section["stages"])
+    planned = {str(s): {"activation": m if s < n - 1 else 0, "gradient": m if s > 0 else 0}
+               for s in range(n)}
+    counted: dict[str, dict[str, int]] = {}
+    elements: set[int] = set()
+    for r in ranks:
+        if r["replica"] != 0:
+            continue
+        for s, kinds in r["sends"].items():
+            counted[s] = {k: len(v) for k, v in kinds.items()}
+            elements.update(e for v in kinds.values() for e in v)
+    record = json.loads(run_json.read_text()) if run_json.exists() else {}
+    send_bytes = (record.get("pipeline") or {}).get("send_bytes")
+    planned_elements = (int(send_bytes) // itemsize(param_dtype)
+                        if isinstance(send_bytes, (int, float)) else None)
+    return {"counted": dict(sorted(counted.items(), key=lambda kv: int(kv[0]))),
+            "planned": planned, "counts_equal": counted == planned,
+            "elements_per_send": sorted(elements),
+            "planned_elements_per_send": planned_elements,
+            "planned_source": f"{run_json} pipeline.send_bytes / itemsize({param_dtype})"
+            if planned_elements is not None else "none (no run.json beside the plan)",
+            "elements_equal": planned_elements is not None
+            and sorted(elements) == [planned_elements]}

@@ -7,7 +7,8 @@ dims. Every process builds the same seeded model (:func:`pipeline.verify.models.
 build_real_model`, float32) and inputs, keeps the stages of its pipeline rank
 (:func:`stage_modules`: stage ``s`` on rank ``s mod p``, torch's loop placement; the
 embedding on stage 0, final norm and head on the last, whose loss is the schedule's
-``loss_fn``), wraps each in ``PipelineStage`` on the ``pp`` group and runs the plan's
+``loss_fn``), wraps each in ``PipelineStage`` on the ``pp`` group (:func:`counting_stage`: its
+sends recorded) and runs the plan's
 schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) on its
 replica's share of the batch, split by the schedule into the plan's microbatches.
 
@@ -46,7 +47,7 @@ from typing import Any
 
 from pipeline.core.errors import PlanError
 
-__all__ = ["SCHEDULE_CLASSES", "pipelined_worker", "stage_modules"]
+__all__ = ["SCHEDULE_CLASSES", "counting_stage", "pipelined_worker", "stage_modules"]
 
 #: The plan's schedule names and torch.distributed.pipelining's classes (torch 2.13).
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
@@ -93,6 +94,33 @@ def _stage(model: Any, lo: int, hi: int, first: bool, last: bool) -> Any:
             return self.output(self.norm(h)) if last else h
 
     return Stage()
+
+
+def counting_stage(*args: Any, **kwargs: Any) -> Any:
+    """A ``PipelineStage(*args, **kwargs)`` that also records every send the schedule
+    asks of it: ``stage.sent`` is a list of ``(kind, elements)``, ``kind``
+    ``activation`` (``get_fwd_send_ops``: the forward output to the next stage) or
+    ``gradient`` (``get_bwd_send_ops``: the input's gradient to the previous stage), one
+    entry per tensor sent. Every torch 2.13 schedule takes its sends from these two
+    methods (``schedules.py``); the stage's own sends are unchanged."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class CountingStage(PipelineStage):
+        def __init__(self) -> None:
+            super().__init__(*args, **kwargs)
+            self.sent: list[tuple[str, int]] = []
+
+        def get_fwd_send_ops(self, fwd_chunk_id: int) -> Any:
+            ops = super().get_fwd_send_ops(fwd_chunk_id)
+            self.sent.extend(("activation", int(op.tensor.numel())) for op in ops)
+            return ops
+
+        def get_bwd_send_ops(self, bwd_chunk_id: int) -> Any:
+            ops = super().get_bwd_send_ops(bwd_chunk_id)
+            self.sent.extend(("gradient", int(op.tensor.numel())) for op in ops)
+            return ops
+
+    return CountingStage()
 
 
 def _loss(logits: Any, labels: Any) -> Any:
@@ -142,7 +170,6 @@ def _run(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage
 
     from pipeline.verify.compare import difference, reference_step
     from pipeline.verify.models import build_real_model, real_inputs
@@ -156,7 +183,7 @@ def _run(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     model = build_real_model(job["model_cfg"], job["seed"])
     mine = stage_modules(model, job["stages"], pp_rank, p)
     n_stages = len(job["stages"])
-    stages = [PipelineStage(mod, s, n_stages, torch.device("cpu"), group=mesh.get_group("pp"))
+    stages = [counting_stage(mod, s, n_stages, torch.device("cpu"), group=mesh.get_group("pp"))
               for s, mod in mine]
     schedule = _schedule(job["schedule"], stages, m)
     share = int(inputs[0].shape[0]) // d
@@ -176,6 +203,9 @@ def _run(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = {
         "rank": rank, "pp_rank": pp_rank, "replica": replica, "stages": indices,
         "parameters": sorted(params), "missing": missing,
+        "sends": {str(s): {kind: [e for k, e in st.sent if k == kind]
+                           for kind in ("activation", "gradient")}
+                  for s, st in zip(indices, stages)},
         "grads": {n: {"shape": list(ref_grads[n].shape),
                       **difference(params[n].grad.detach(), ref_grads[n])}
                   for n in sorted(params) if params[n].grad is not None}}

@@ -7,7 +7,9 @@ Independent checks: the reference loss is the loss this test computes from the s
 seeded model; each microbatch loss the schedule returned equals the unsharded model's
 loss on that slice of the batch (the schedule split the batch as the plan says, in
 order); every parameter of the model was compared; the per-rank layer ranges are the
-plan file's. A stage whose weight is perturbed fails the check (it can fail). Bad
+plan file's; each boundary carried one activation forward and one gradient back per
+microbatch, of one replica's microbatch of hidden states (counted here by hand). A
+stage whose weight is perturbed fails the check (it can fail). Bad
 input (interleaved with a layer count that does not split into 2 x pp chunks; a plan
 file whose pipeline section was edited; ``--measure``, not built for it): one line,
 exit 2, nothing written.
@@ -90,6 +92,16 @@ def _check(record: dict, cfg, plan_path: Path) -> None:
     assert pp["microbatches"] == 4
     assert pp["virtual_stages"] == int(cfg.pipeline.virtual_stages)
     assert record["processes"] == int(cfg.mesh[0]) * pp["replicas"]
+    # sends: every microbatch's activation forward and gradient back across each boundary,
+    # one sample of 16 tokens x dim 32 per replica and microbatch (8 / (replicas x 4))
+    n, m = len(section["stages"]), 4
+    sends = pp["sends"]
+    assert sends["counted"] == {str(s): {"activation": m * (s < n - 1), "gradient": m * (s > 0)}
+                                for s in range(n)}
+    samples = 8 // (pp["replicas"] * m)
+    assert sends["elements_per_send"] == [samples * 16 * 32]
+    assert sends["planned_elements_per_send"] == samples * 16 * 32
+    assert sends["counts_equal"] and sends["elements_equal"]
 
 
 def _verify(cfg, **kw):
