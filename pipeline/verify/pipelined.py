@@ -28,7 +28,12 @@ from typing import Any
 from pipeline.core import runtime
 from pipeline.plan.format import PLAN_FILE, PlanFileError, check_model, load
 from pipeline.verify.compare import RTOL
-from pipeline.verify.models import VerifyUsageError, build_real_model, family_of
+from pipeline.verify.models import (
+    VerifyUsageError,
+    build_real_model,
+    family_of,
+    model_hash_of_config,
+)
 from pipeline.verify.pipelined_rank import SCHEDULE_CLASSES, pipelined_worker
 from pipeline.verify.signals import run_workers
 
@@ -121,12 +126,16 @@ def verify_pipelined(cfg: Any, *, plan_path: Path | None = None,
                                "plan splits the built-in llama family only into stages "
                                "(model=toy|llama1b|llama8b|llama70b)")
     sub = stage_config(cfg)
+    stage_mesh = tuple(int(s) for s in sub.mesh)
+    if plan_path is not None:  # a plan file given: checked before any stage writes
+        load(plan_path, mesh=stage_mesh, model=model_hash_of_config(model_cfg))
+        read_section(Path(plan_path), cfg)
     for stage in ("trace", "topology", "costs", "solve"):
         run_stage(stage, sub, stage_dirs(sub))
     dirs = stage_dirs(cfg)
     run_stage("solve", cfg, dirs)
     path = Path(plan_path) if plan_path is not None else Path(dirs.solve) / PLAN_FILE
-    plan = load(path, mesh=tuple(int(s) for s in sub.mesh))
+    plan = load(path, mesh=stage_mesh)
     section = read_section(path, cfg)
     model = build_real_model(model_cfg, seed)
     check_model(plan, model)

@@ -183,12 +183,14 @@ def test_an_edited_pipeline_section_is_refused(results: Path, tmp_path: Path) ->
     doc["pipeline"]["stages"][1]["modules"].append("tok_embeddings")
     edited = tmp_path / "plan.json"
     edited.write_text(json.dumps(doc))
-    proc = _cli(tmp_path, *TINY, *CASES["gpipe"], f"results_dir={results}",
+    fresh = tmp_path / "results"  # checked before any stage writes there
+    proc = _cli(tmp_path, *TINY, *CASES["gpipe"], f"results_dir={fresh}",
                 "--plan", str(edited))
     assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert "pipeline.stages[0].modules" in last and "allowed" in last
-    assert not (tmp_path / "verify.json").exists()
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pipeline.stages[0].modules" in lines[0], lines
+    assert "allowed" in lines[0]
+    assert not (tmp_path / "verify.json").exists() and not fresh.exists()
 
 
 def test_measure_of_a_pipelined_plan_is_refused(tmp_path: Path) -> None:
