@@ -8,7 +8,11 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["difference", "reference_step"]
+__all__ = ["RTOL", "difference", "reference_step"]
+
+#: Largest relative difference (``max|a - b| / max|b|``) of the loss and of every
+#: gradient accepted, float32.
+RTOL = 1e-5
 
 
 def reference_step(model: Any, inputs: Sequence[Any]) -> tuple[Any, dict[str, Any]]:

@@ -42,6 +42,10 @@ rounding. Written (atomically) to ``verify.json`` beside the plan:
   (``hardware=cpu_epyc2``: the profile calibrated on this machine), their ratio, and
   the load average (:mod:`pipeline.verify.timing`).
 
+A pipelined config (a ``pp`` mesh dim of size > 1) is verified by
+:mod:`pipeline.verify.pipelined` instead: the plan's stages under
+torch.distributed.pipelining, the ``pipelined`` key of ``verify.json``.
+
 Exit status: 0 the plan verified; 1 it did not (``verify.json`` says why) or a
 process failed; 2 bad input (one line on stderr, nothing written): a bad override or
 flag, a model family verify cannot build (``custom``), a traced step that draws random
@@ -74,6 +78,7 @@ from pipeline.plan.format import (
     check_world_size,
     load,
 )
+from pipeline.verify.compare import RTOL
 from pipeline.verify.execute import check_deterministic, worker
 from pipeline.verify.models import (
     VerifyUsageError,
@@ -92,9 +97,6 @@ __all__ = ["DEFAULT_SEED", "RTOL", "VERIFY_FILE", "VerifyUsageError",
 log = logging.getLogger(__name__)
 
 VERIFY_FILE = "verify.json"
-#: Largest relative difference (``max|a - b| / max|b|``) of the loss and of every
-#: gradient accepted, float32.
-RTOL = 1e-5
 DEFAULT_SEED = 0
 _USAGE = ("usage: python -m pipeline.verify [hydra overrides...] [--plan PATH] [--nproc N] "
           "[--seed S] [--output PATH] [--measure N] [--warmup W]")
@@ -244,9 +246,18 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     import pipeline.apply  # noqa: F401 - imported once here, not in every forked process
     import pipeline.dtensor.cpu_kernels  # noqa: F401
     from pipeline.config import stage_dirs
+    from pipeline.config.pipeline_stage import pipeline_degree
     from pipeline.stages.runner import run_stage
+    from pipeline.verify.pipelined import verify_pipelined
 
     started = time.perf_counter()
+    if pipeline_degree(cfg) > 1:  # a pipelined plan: pipeline/verify/pipelined.py
+        check_inputs(cfg, None, nproc)
+        if measure:
+            raise VerifyUsageError(f"--measure={measure}: timing a pipelined plan is not "
+                                   "built; allowed 0 (leave --measure out)")
+        return verify_pipelined(cfg, plan_path=plan_path, seed=seed, output=output,
+                                start_method=start_method)
     check_inputs(cfg, plan_path, nproc)
     dirs = stage_dirs(cfg)
     for stage in ("trace", "topology", "costs", "solve"):
@@ -463,6 +474,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(min {timing['min_ms']:.1f}, max {timing['max_ms']:.1f}); predicted "
               + (f"{pred:.1f} ms under hardware={timing['hardware']}" if pred is not None
                  else "none") + f"; load {timing['load_average']['before'][0]}")
+    if "pipelined" in record:
+        pp = record["pipelined"]
+        print(f"verify: ok: {pp['schedule']} ({pp['microbatches']} microbatches, "
+              f"{pp['virtual_stages']} virtual stages per rank, {pp['degree']} x "
+              f"{pp['replicas']} processes): max rel diff {pp['max_rel_diff']:.2e} "
+              f"(<= {RTOL:g}); {record['path']}")
+        return 0
     if "placements" not in record:
         print(f"verify: ok; {record['path']}")
         return 0
