@@ -19,14 +19,26 @@ of the whole batch. FSDP under a pipeline keeps its parameters gathered for the 
 reshards (FSDP2's default). Prints per case the split, microbatches, bubble, step,
 tokens/s per GPU and the peak per pipeline rank, then the search time and the stage
 solves it ran.
+
+The same rows go to a Parquet table, ``<results-dir>/bench/pipeline_search.parquet``
+(``--table PATH`` for another), rewritten atomically after each case: one row per (case,
+degree, stage plan, schedule), schema metadata ``pipeline`` with the command, machine,
+git revision, start and end times, load averages and ``complete``.
+``python -m pipeline.tools.results pipeline <table>`` renders it
+(docs/results/pipeline-search.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
 import json
+import os
+import shlex
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
 CASES = {
     # name: (model, world, tp, degrees, local batch per tp group or global batch)
@@ -51,10 +63,25 @@ def _overrides(model: str, world: int, tp: int, pp: int, batch: dict, mb_size: i
             f"pipeline.microbatches={m}", "fsdp.reshard_after_forward=false"], m
 
 
+def _row(name: str, model: str, world: int, pp: int, mesh: str, m: int, mb: int,
+         recipe: str | None, took: float, solve_ran: bool, git: dict) -> dict[str, Any]:
+    """The table row of one point, its search fields still empty."""
+    return {"case": name, "model": model, "world": world, "pp": pp, "mesh": mesh,
+            "microbatch_size": mb, "microbatches": m, "stage_plan": recipe or "solved",
+            "schedule": None, "virtual_stages": None, "fits": None, "why": None,
+            "split": None, "bubble": None, "closed_form_bubble": None, "step_time_us": None,
+            "tokens_per_s_per_device": None, "peak_bytes_per_rank": None,
+            "peak_bytes_max": None, "stage_solve_s": took, "stage_solve_ran": solve_ran,
+            "case_stage_solves": None, "case_stage_solves_run": None,
+            "case_search_s": None, "revision": git.get("revision"),
+            "dirty": git.get("dirty")}
+
+
 def _point(name: str, model: str, world: int, tp: int, pp: int, batch: dict, mb: int,
-           recipe: str | None, args: argparse.Namespace, solves: set) -> tuple[bool, int]:
-    """One (degree, microbatch size, stage plan) point: its stage solve and search;
-    (whether a candidate fits, stage solves run now)."""
+           recipe: str | None, args: argparse.Namespace, solves: set,
+           table: list[dict[str, Any]], git: dict) -> tuple[bool, int]:
+    """One (degree, microbatch size, stage plan) point: its stage solve and search, its
+    rows appended to ``table``; (whether a candidate fits, stage solves run now)."""
     from pipeline.config import load_resolved, stage_dirs
     from pipeline.config.pipeline_stage import stage_config
     from pipeline.stages.runner import run_stage
@@ -73,7 +100,15 @@ def _point(name: str, model: str, world: int, tp: int, pp: int, batch: dict, mb:
     solves.add(str(stage_dirs(sub).solve))
     rec = json.loads((Path(stage_dirs(sub).solve) / "run.json").read_text())
     took = time.perf_counter() - t0
+    mesh = "x".join(map(str, cfg.mesh))
     if pp == 1:
+        row = _row(name, model, world, pp, mesh, m, int(cfg.model.batch_size) // (world // tp),
+                   recipe, took, bool(ran), git)
+        row.update(fits=True, step_time_us=rec["step_time_us"],
+                   tokens_per_s_per_device=rec["tokens_per_s_per_device"],
+                   peak_bytes_per_rank=[int(rec["memory"]["peak_bytes"])],
+                   peak_bytes_max=int(rec["memory"]["peak_bytes"]))
+        table.append(row)
         mem = rec["memory"]["peak_bytes"] / 2**30
         print(f"pp 1 mesh {rec['mesh']} batch {cfg.model.batch_size}: step "
               f"{rec['step_time_us'] / 1e3:.1f} ms, {rec['tokens_per_s_per_device']:.0f} "
@@ -82,7 +117,11 @@ def _point(name: str, model: str, world: int, tp: int, pp: int, batch: dict, mb:
     rows = search_pipeline(cfg, rec, int(sub.model.batch_size) // data_parallel_degree(sub),
                            CANDIDATES)
     for row in rows:
-        head = (f"pp {pp} mesh {'x'.join(map(str, cfg.mesh))} m {m} (microbatch {mb}) "
+        out = _row(name, model, world, pp, mesh, m, mb, recipe, took, bool(ran), git)
+        out.update(schedule=row["schedule"], virtual_stages=int(row["virtual_stages"]),
+                   fits=bool(row["fits"]), why=row.get("why"))
+        table.append(out)
+        head = (f"pp {pp} mesh {mesh} m {m} (microbatch {mb}) "
                 f"stage plan {recipe or 'solved'} {row['schedule']} v "
                 f"{row['virtual_stages']}")
         if not row["fits"]:
@@ -91,6 +130,12 @@ def _point(name: str, model: str, world: int, tp: int, pp: int, batch: dict, mb:
         r = row["record"]
         pl = r["pipeline"]
         peaks = ", ".join(f"{x['peak_bytes'] / 2**30:.1f}" for x in pl["ranks"])
+        out.update(split=",".join(map(str, pl["split"])), bubble=pl["bubble_fraction"],
+                   closed_form_bubble=pl["closed_form_bubble"],
+                   step_time_us=r["step_time_us"],
+                   tokens_per_s_per_device=r["tokens_per_s_per_device"],
+                   peak_bytes_per_rank=[int(x["peak_bytes"]) for x in pl["ranks"]],
+                   peak_bytes_max=max(int(x["peak_bytes"]) for x in pl["ranks"]))
         print(f"{head}: split {pl['split']}, bubble {pl['bubble_fraction']:.4f} (closed form "
               f"{pl['closed_form_bubble']:.4f}), step {r['step_time_us'] / 1e3:.1f} ms, "
               f"{r['tokens_per_s_per_device']:.0f} tokens/s/GPU, peak GiB per rank "
@@ -98,14 +143,48 @@ def _point(name: str, model: str, world: int, tp: int, pp: int, batch: dict, mb:
     return any(r["fits"] for r in rows), ran
 
 
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _load_1m() -> float | None:
+    try:
+        return float(os.getloadavg()[0])
+    except OSError:
+        return None
+
+
+def _write_table(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    """The rows as Parquet, atomically, ``meta`` in the schema metadata."""
+    import pyarrow as pa
+
+    from pipeline.core import runtime
+
+    runtime.write_parquet(path, pa.Table.from_pylist(rows), metadata=meta)
+
+
 def main() -> None:
+    from pipeline.core import runtime
+    from pipeline.tools.bench.runner import machine_info
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="llama70b,llama405b")
     ap.add_argument("--results-dir", default="/tmp/pp-bench")
     ap.add_argument("--microbatch-sizes", default="1")
+    ap.add_argument("--table", type=Path, default=None,
+                    help="the Parquet table (default <results-dir>/bench/pipeline_search.parquet)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.microbatch_sizes.split(",")]
-    for name in args.cases.split(","):
+    table_path = args.table or Path(args.results_dir) / "bench" / "pipeline_search.parquet"
+    git = runtime.git_revision()
+    names = args.cases.split(",")
+    meta: dict[str, Any] = {
+        "command": shlex.join(["python", "benchmarks/pipeline_search.py", *sys.argv[1:]]),
+        "description": "joint pipeline search (benchmarks/pipeline_search.py)",
+        "cases": names, "microbatch_sizes": sizes, "started": _now(),
+        "load_start": _load_1m(), "machine": machine_info(), "complete": False}
+    table: list[dict[str, Any]] = []
+    for name in names:
         model, world, tp, degrees, batch = CASES[name]
         start = time.perf_counter()
         solves, ran = set(), 0
@@ -114,12 +193,19 @@ def main() -> None:
             for mb in (sizes if pp > 1 else [0]):
                 for recipe in (None, "fsdp_tp"):
                     fitted, n = _point(name, model, world, tp, pp, batch, mb, recipe, args,
-                                       solves)
+                                       solves, table, git)
                     ran += n
                     if fitted or pp == 1:
                         break
-        print(f"{name}: search {time.perf_counter() - start:.0f} s, {len(solves)} stage "
-              f"solves ({ran} run now, the others reused)")
+        took = time.perf_counter() - start
+        for row in table:
+            if row["case"] == name:
+                row.update(case_stage_solves=len(solves), case_stage_solves_run=ran,
+                           case_search_s=took)
+        meta.update(finished=_now(), load_end=_load_1m(), complete=name == names[-1])
+        _write_table(table_path, table, meta)
+        print(f"{name}: search {took:.0f} s, {len(solves)} stage "
+              f"solves ({ran} run now, the others reused); table {table_path}")
 
 
 if __name__ == "__main__":

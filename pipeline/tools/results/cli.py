@@ -5,6 +5,7 @@
     python -m pipeline.tools.results shapes results/shapes/toy-<h8>/w8-d3/shapes.parquet
     python -m pipeline.tools.results runs results/report/runs.parquet [--columns a,b]
     python -m pipeline.tools.results loop results/loop/predicted_vs_measured.json
+    python -m pipeline.tools.results pipeline results/bench/pipeline_search.parquet
 
 Options: ``--out DIR`` (default ``docs/results``); ``--name NAME`` and ``--title TEXT``
 (the page's file stem and heading; one source only); ``--results DIR`` (where the
@@ -25,11 +26,12 @@ from pathlib import Path
 
 from pipeline.tools.results.loop import loop_page
 from pipeline.tools.results.page import display_command, write_page
+from pipeline.tools.results.pipeline_search import pipeline_page
 from pipeline.tools.results.sources import bench_page, discover, runs_page, shapes_page
 
 __all__ = ["main"]
 
-KINDS = ("bench", "shapes", "runs", "loop")
+KINDS = ("bench", "shapes", "runs", "loop", "pipeline")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m pipeline.tools.results",
         description="Write docs/results/<name>.md pages from the tables the tools write: "
                     "a benchmark table, a mesh-shape table, the report's runs.parquet, "
-                    "a predicted-versus-measured sweep (pipeline.verify.sweep).")
+                    "a predicted-versus-measured sweep (pipeline.verify.sweep), "
+                    "a pipeline search (benchmarks/pipeline_search.py).")
     p.add_argument("kind", nargs="?", choices=KINDS,
                    help="the kind of SOURCE; without it, every table under --results")
     p.add_argument("source", nargs="?", type=Path, help="the Parquet table to read")
@@ -71,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sources = discover(args.results)
         if not sources:
             return _fail(f"--results={args.results}: no benchmark, shape or runs table "
-                         "under it (bench/*.parquet, shapes/*/*/shapes.parquet, "
-                         "report/runs.parquet)")
+                         "under it (bench/*.parquet, bench/pipeline_search.parquet, "
+                         "shapes/*/*/shapes.parquet, report/runs.parquet)")
     else:
         sources = [(args.kind, args.source)]
     columns = args.columns.split(",") if args.columns else None
@@ -92,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 page = shapes_page(path, args.name, command, args.title)
             elif kind == "loop":
                 page = loop_page(path, args.name, command, args.title)
+            elif kind == "pipeline":
+                page = pipeline_page(path, args.name, command, args.title)
             else:
                 page = runs_page(path, args.name, command, columns, args.made_by, args.title)
         except (OSError, ValueError, KeyError) as err:

@@ -52,7 +52,8 @@ def _text(v: Any) -> str:
 
 #: Cell formats by name: how a source value is printed. The numbers keep the precision a
 #: reader can compare (seconds to 10 ms, µs to 1 ns, MiB whole, gaps in 3 digits, any
-#: other number in 6 significant digits).
+#: other number in 6 significant digits; ``frac``: a fraction in 4 decimals, ``ms``: a
+#: value in µs printed in ms to 0.1 ms, ``gib_list``: a list of bytes in GiB to 0.1).
 FORMATS: dict[str, Callable[[Any], str]] = {
     "text": _text,
     "int": lambda v: f"{int(v)}",
@@ -64,6 +65,9 @@ FORMATS: dict[str, Callable[[Any], str]] = {
     "gap": lambda v: f"{float(v):.2e}" if float(v) else "0",
     "hash": lambda v: str(v)[:12],
     "num": lambda v: f"{float(v):.6g}",
+    "frac": lambda v: f"{float(v):.4f}",
+    "ms": lambda v: f"{float(v) / 1e3:,.1f}",
+    "gib_list": lambda v: ", ".join(f"{float(x) / 2**30:.1f}" for x in v),
 }
 
 

@@ -7,7 +7,10 @@
   (:func:`shapes_page`; metadata: world, max_dims, overrides, git; the machine comes
   from the run records its ``solve_dir`` column names);
 * the report's ``runs.parquet`` (:func:`runs_page`; one row per run record, whose
-  ``environment.*`` and ``git.*`` columns give the machine and revision).
+  ``environment.*`` and ``git.*`` columns give the machine and revision);
+* the pipeline search's ``bench/pipeline_search.parquet`` of
+  ``benchmarks/pipeline_search.py`` (:mod:`pipeline.tools.results.pipeline_search`;
+  discovered here, read there).
 
 Nothing is recomputed: the page shows the source's values, formatted
 (:data:`pipeline.tools.results.page.FORMATS`).
@@ -24,8 +27,11 @@ from typing import Any
 from pipeline.core import runtime
 from pipeline.tools.results.page import NOT_RECORDED, Column, Page, display_command
 
-__all__ = ["BENCH_COLUMNS", "RUNS_COLUMNS", "SHAPES_COLUMNS", "bench_page", "discover",
-           "runs_page", "shapes_page"]
+__all__ = ["BENCH_COLUMNS", "PIPELINE_SEARCH_TABLE", "RUNS_COLUMNS", "SHAPES_COLUMNS",
+           "bench_page", "discover", "runs_page", "shapes_page"]
+
+#: File name of the pipeline search's table under ``bench/`` (a ``pipeline`` source).
+PIPELINE_SEARCH_TABLE = "pipeline_search.parquet"
 
 #: Columns of a benchmark page (the bench table's, less bookkeeping).
 BENCH_COLUMNS: tuple[Column, ...] = (
@@ -251,9 +257,11 @@ def _run_key(solve_dir: Any) -> str:
 
 def discover(results_dir: Path) -> list[tuple[str, Path]]:
     """Every source under ``results_dir``, as ``(kind, path)``: the benchmark tables
-    ``bench/<suite>.parquet``, the shape tables ``shapes/*/*/shapes.parquet`` and the
-    report's ``report/runs.parquet``, in that order."""
-    found = [("bench", p) for p in sorted((results_dir / "bench").glob("*.parquet"))]
+    ``bench/<suite>.parquet`` (``bench/pipeline_search.parquet`` as kind ``pipeline``),
+    the shape tables ``shapes/*/*/shapes.parquet`` and the report's
+    ``report/runs.parquet``, in that order."""
+    found = [("pipeline" if p.name == PIPELINE_SEARCH_TABLE else "bench", p)
+             for p in sorted((results_dir / "bench").glob("*.parquet"))]
     found += [("shapes", p) for p in sorted((results_dir / "shapes").glob("*/*/shapes.parquet"))]
     runs = results_dir / "report" / "runs.parquet"
     if runs.is_file():
