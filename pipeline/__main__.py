@@ -41,6 +41,7 @@ from pipeline.config import (
     sweep_overrides,
 )
 from pipeline.core import sweep
+from pipeline.core.interrupts import Interrupted, handled
 from pipeline.stages.runner import (
     USER_ERRORS,
     configure_logging,
@@ -163,7 +164,10 @@ def _end_of_sweep(points: Sequence[str], outcomes: Path) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m pipeline``; exits 2 on a bad configuration, and a sweep
-    whose points did not all plan exits 1 after its report and summary."""
+    whose points did not all plan exits 1 after its report and summary. SIGINT (Ctrl-C)
+    or SIGTERM ends the run with one line and exit 130 / 143
+    (:mod:`pipeline.core.interrupts`): the stage cut short removes its partial output, the
+    finished stages stay and are reused by the same command."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         check_environment()
@@ -178,9 +182,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     if outcomes is not None:
         os.environ[sweep.ENV_VAR] = str(outcomes)  # the points' processes inherit it
     try:
-        _hydra_task()
+        with handled():  # SIGINT / SIGTERM: one line, exit 130 / 143 (below)
+            _hydra_task()
+    except Interrupted as err:
+        print(f"python -m pipeline: {err}; the finished stages are kept, the interrupted "
+              "stage left nothing behind; the same command goes on from there", file=sys.stderr)
+        sys.exit(err.exit_code)
     finally:  # also after a failed job: the report of the runs the sweep made
-        if outcomes is not None and sys.exc_info()[0] is not KeyboardInterrupt:
+        if outcomes is not None and sys.exc_info()[0] not in (KeyboardInterrupt, Interrupted):
             report_once(sweep_jobs)
             code = _end_of_sweep(points, outcomes)
             if code:

@@ -17,14 +17,16 @@ included, with one line and exit status 128 + the signal's number (130, 143).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
+
+from pipeline.core.interrupts import SIGNALS as _SIGNALS
+from pipeline.core.interrupts import Interrupted, handled
 
 __all__ = ["GRACE_S", "Interrupted", "handled", "quiet_worker", "run_workers"]
 
@@ -32,38 +34,7 @@ __all__ = ["GRACE_S", "Interrupted", "handled", "quiet_worker", "run_workers"]
 GRACE_S = 3.0
 #: How often (seconds) the parent looks up from waiting for its workers.
 _POLL_S = 0.2
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-class Interrupted(BaseException):
-    """SIGINT or SIGTERM arrived; ``signum`` is which. A ``BaseException``, like
-    ``KeyboardInterrupt``, so that no ``except Exception`` swallows it."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = int(signum)
-        super().__init__(f"interrupted by {signal.Signals(self.signum).name}")
-
-    @property
-    def exit_code(self) -> int:
-        """The shell's convention: 128 + the signal's number."""
-        return 128 + self.signum
-
-
-@contextlib.contextmanager
-def handled() -> Iterator[None]:
-    """Within the block, SIGINT and SIGTERM raise :class:`Interrupted` (in the main
-    thread); the previous handlers are restored after it."""
-
-    def raise_interrupted(signum: int, frame: Any) -> None:
-        raise Interrupted(signum)
-
-    previous = {s: signal.signal(s, raise_interrupted) for s in _SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def quiet_worker(rank: int, fn: Callable[..., None], *args: Any) -> None:

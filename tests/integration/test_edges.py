@@ -344,3 +344,41 @@ def test_a_signal_during_verify_stops_the_workers_within_seconds(verify_results,
     assert err.strip().splitlines()[-1] == (
         f"verify: interrupted by {sig}; worker processes stopped, verify.json not written")
     assert not list(verify_results.rglob("verify.json"))
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_python_m_pipeline_is_one_line_and_the_run_goes_on_after(tmp_path, sig):
+    """A signal while the trace stage runs (the toy's trace takes seconds): one line,
+    exit 128 + the signal's number, no traceback, nothing of the trace stage kept; the
+    same command then plans from scratch."""
+    import signal
+    import time
+
+    signum = getattr(signal, sig)
+    results = tmp_path / "results"
+    argv = [sys.executable, "-m", "pipeline", "model=toy", "mesh=2", f"results_dir={results}"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=child_env("1"))
+    try:
+        deadline = time.monotonic() + 120
+        while not list(results.glob("runs/*")) and time.monotonic() < deadline \
+                and proc.poll() is None:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before the signal"
+        time.sleep(1.0)  # inside the trace (its directory exists from its start)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"python -m pipeline: interrupted by {sig}; the finished stages are kept, the "
+        "interrupted stage left nothing behind; the same command goes on from there")
+    assert not list(results.rglob("graph.parquet")) and not list(results.rglob("*.tmp*"))
+    again = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
+                           env=child_env("1"), timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(list(results.glob("runs/*/*/*/*/*/run.json"))) == 1
