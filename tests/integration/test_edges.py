@@ -374,9 +374,10 @@ def test_a_signal_during_python_m_pipeline_is_one_line_and_the_run_goes_on_after
             proc.wait()
     assert proc.returncode == 128 + signum, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == (
-        f"python -m pipeline: interrupted by {sig}; the finished stages are kept, the "
-        "interrupted stage left nothing behind; the same command goes on from there")
+    # the line, among the log's INFO lines (torch may log its fake-tensor cache at exit)
+    assert (f"python -m pipeline: interrupted by {sig}; the finished stages are kept, the "
+            "interrupted stage left nothing behind; the same command goes on from there"
+            ) in err.strip().splitlines(), err[-3000:]
     assert not list(results.rglob("graph.parquet")) and not list(results.rglob("*.tmp*"))
     again = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
                            env=child_env("1"), timeout=600)
