@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from pipeline import models as model_families
 from pipeline.config.overrides import override_value, printable
 from pipeline.config.paths import stage_keys
+from pipeline.config.pipeline_stage import pipeline_degree
 from pipeline.config.schema import ConfigError
 
 
@@ -171,6 +172,23 @@ def check_cluster_config(argv: Sequence[str], executor: str, wrapped: bool) -> N
         if problem is not None:
             raise ConfigError(f"{printable(entry)}: {problem} (--executor {executor}); allowed "
                               "as it is with a local run, or in a --configfile")
+
+
+def check_not_pipelined(cfg: Any) -> None:
+    """Refuse a pipelined config (a ``pp`` mesh dim of size > 1) in the workflow: its
+    solve prices the pipeline from a stage solve on the sub-mesh
+    (pipeline/stages/solve/pipelined.py), a chain of runs the workflow's rules do not
+    express yet; ``python -m pipeline`` runs it.
+
+    Raises:
+        ConfigError: one line naming mesh and mesh_names and what runs it.
+    """
+    if pipeline_degree(cfg) > 1:
+        mesh = ",".join(str(m) for m in cfg.mesh)
+        names = ",".join(str(n) for n in cfg.mesh_names)
+        raise ConfigError(f"mesh={mesh} mesh_names=[{names}]: the Snakemake workflow does "
+                          "not run pipelined configs (a pp dim) yet; allowed a mesh without "
+                          "a pp dim here, or python -m pipeline with the same overrides")
 
 
 def overrides_from_snakemake(config: Mapping[str, Any],

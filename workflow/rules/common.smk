@@ -37,7 +37,11 @@ from pipeline.config import (
     stage_dirs,
     stage_overrides,
 )
-from pipeline.config.snakemake import check_cluster_config, check_workflow_paths
+from pipeline.config.snakemake import (
+    check_cluster_config,
+    check_not_pipelined,
+    check_workflow_paths,
+)
 from pipeline.tools.paper import experiment_name, experiment_overrides, load_experiment, output_files
 
 # Every path and value reaches a job's shell quoted ({x:q} in the rules' shell commands),
@@ -47,6 +51,7 @@ from pipeline.tools.paper import experiment_name, experiment_overrides, load_exp
 try:
     PLAN_CFG = load_resolved(overrides_from_snakemake(config, sys.argv))
     check_workflow_paths(PLAN_CFG)
+    check_not_pipelined(PLAN_CFG)  # a pp dim: python -m pipeline (docs/pipelining.md)
     preflight_trace(PLAN_CFG)  # model checks needing imports / a forward on meta
 except ConfigError as err:
     print(err, file=sys.stderr)
