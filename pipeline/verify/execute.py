@@ -19,7 +19,7 @@ import datetime
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,16 @@ def check_deterministic(nodes: Sequence[Any]) -> None:
 def worker(rank: int, job: dict[str, Any]) -> None:
     """One process of the verify run (see the module docstring); writes
     ``rank<k>.json`` into ``job["out_dir"]``."""
+    gloo_rank(rank, job, _run_rank)
+
+
+def gloo_rank(rank: int, job: dict[str, Any],
+              run: Callable[[int, dict[str, Any]], dict[str, Any]]) -> None:
+    """A gloo rank of a verify run: one thread, torch's noisy loggers quiet, the fake
+    process group a fork inherited dropped, the gloo group of ``job`` (``store``,
+    ``world``) joined; ``run(rank, job)``'s result (or a :class:`PlanError`'s one line)
+    written to ``<job["out_dir"]>/rank<k>.json``. Shared by this module's worker and the
+    pipelined check's (pipeline/verify/pipelined_rank.py)."""
     import torch
     import torch.distributed as dist
 
@@ -76,7 +86,7 @@ def worker(rank: int, job: dict[str, Any]) -> None:
                             world_size=job["world"],
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
-        result = _run_rank(rank, job)
+        result = run(rank, job)
     except PlanError as err:
         result = {"error": str(err).splitlines()[0], "error_type": type(err).__name__}
     finally:

@@ -38,24 +38,17 @@ pipeline rank the loss, relative ``max|a - b| / max|b|``.
 
 from __future__ import annotations
 
-import datetime
-import json
-import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import PlanError
+from pipeline.verify.execute import gloo_rank
 
 __all__ = ["SCHEDULE_CLASSES", "counting_stage", "pipelined_worker", "stage_modules"]
 
 #: The plan's schedule names and torch.distributed.pipelining's classes (torch 2.13).
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                     "interleaved_1f1b": "ScheduleInterleaved1F1B"}
-
-#: Seconds a process waits in a collective or send before giving up (a peer failed).
-TIMEOUT_S = 180
-
 
 def stage_modules(model: Any, stages: Sequence[dict[str, Any]], pp_rank: int,
                   degree: int) -> list[tuple[int, Any]]:
@@ -140,30 +133,16 @@ def _schedule(name: str, stages: list[Any], microbatches: int) -> Any:
 
 
 def pipelined_worker(rank: int, job: dict[str, Any]) -> None:
-    """One process (module docstring); writes ``rank<k>.json`` into ``job["out_dir"]``."""
-    import torch
-    import torch.distributed as dist
+    """One process (module docstring); writes ``rank<k>.json`` into ``job["out_dir"]``
+    (:func:`pipeline.verify.execute.gloo_rank`)."""
+    gloo_rank(rank, job, _run_with_kernels)
 
+
+def _run_with_kernels(rank: int, job: dict[str, Any]) -> dict[str, Any]:
     from pipeline.dtensor.cpu_kernels import cpu_kernels
-    from pipeline.dtensor.torch_compat import NOISY_LOGGERS
 
-    torch.set_num_threads(1)
-    for name in NOISY_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    if dist.is_initialized():  # a fake process group inherited from the parent (fork)
-        dist.destroy_process_group()
-    out = Path(job["out_dir"]) / f"rank{rank}.json"
-    dist.init_process_group("gloo", init_method=f"file://{job['store']}", rank=rank,
-                            world_size=job["world"],
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    try:
-        with cpu_kernels():  # the fused attention op of the built-in model
-            result = _run(rank, job)
-    except PlanError as err:
-        result = {"error": str(err).splitlines()[0], "error_type": type(err).__name__}
-    finally:
-        dist.destroy_process_group()
-    out.write_text(json.dumps(result, sort_keys=True))
+    with cpu_kernels():  # the fused attention op of the built-in model
+        return _run(rank, job)
 
 
 def _run(rank: int, job: dict[str, Any]) -> dict[str, Any]:
