@@ -31,9 +31,7 @@ git revision, start and end times, load averages and ``complete``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import os
 import shlex
 import sys
 import time
@@ -143,17 +141,6 @@ def _point(name: str, model: str, world: int, tp: int, pp: int, batch: dict, mb:
     return any(r["fits"] for r in rows), ran
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _load_1m() -> float | None:
-    try:
-        return float(os.getloadavg()[0])
-    except OSError:
-        return None
-
-
 def _write_table(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     """The rows as Parquet, atomically, ``meta`` in the schema metadata."""
     import pyarrow as pa
@@ -165,7 +152,7 @@ def _write_table(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -
 
 def main() -> None:
     from pipeline.core import runtime
-    from pipeline.tools.bench.runner import machine_info
+    from pipeline.tools.bench.runner import load_1m, machine_info, now_utc
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="llama70b,llama405b")
@@ -181,8 +168,8 @@ def main() -> None:
     meta: dict[str, Any] = {
         "command": shlex.join(["python", "benchmarks/pipeline_search.py", *sys.argv[1:]]),
         "description": "joint pipeline search (benchmarks/pipeline_search.py)",
-        "cases": names, "microbatch_sizes": sizes, "started": _now(),
-        "load_start": _load_1m(), "machine": machine_info(), "complete": False}
+        "cases": names, "microbatch_sizes": sizes, "started": now_utc(),
+        "load_start": load_1m(), "machine": machine_info(), "complete": False}
     table: list[dict[str, Any]] = []
     for name in names:
         model, world, tp, degrees, batch = CASES[name]
@@ -202,7 +189,7 @@ def main() -> None:
             if row["case"] == name:
                 row.update(case_stage_solves=len(solves), case_stage_solves_run=ran,
                            case_search_s=took)
-        meta.update(finished=_now(), load_end=_load_1m(), complete=name == names[-1])
+        meta.update(finished=now_utc(), load_end=load_1m(), complete=name == names[-1])
         _write_table(table_path, table, meta)
         print(f"{name}: search {took:.0f} s, {len(solves)} stage "
               f"solves ({ran} run now, the others reused); table {table_path}")

@@ -53,7 +53,8 @@ from pipeline.core.artifacts import RUN, SENTINELS
 from pipeline.tools.bench.suites import IMPORT_PROBES, Case, Suite
 from pipeline.tools.bench.table import PHASE_COLUMNS, UNITS, _empty_row, _write_outputs
 
-__all__ = ["code_hash", "import_seconds", "machine_info", "run_case", "run_suite"]
+__all__ = ["code_hash", "import_seconds", "load_1m", "machine_info", "now_utc", "run_case",
+           "run_suite"]
 
 #: Sentinel file of each stage a case makes (whether a stage was reused: its mtime).
 _SENTINELS = {stage: name for stage, name in SENTINELS.items() if stage != "report"}
@@ -99,11 +100,11 @@ def machine_info() -> dict[str, Any]:
             "pulp": env["pulp"], "numpy": env["numpy"], "git": runtime.git_revision()}
 
 
-def _now() -> str:
+def now_utc() -> str:
     return _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def _load_1m() -> float | None:
+def load_1m() -> float | None:
     try:
         return float(os.getloadavg()[0])
     except OSError:
@@ -214,7 +215,7 @@ def run_case(case: Case, index: int, results_dir: Path, log_dir: Path,
 
     overrides = [*case.overrides, f"results_dir={override_value(str(results_dir), quote='path')}"]
     row = _empty_row()
-    row.update(case_index=index, case=case.label, load_1m=_load_1m(), code=code_hash())
+    row.update(case_index=index, case=case.label, load_1m=load_1m(), code=code_hash())
     cfg = dirs = None
     try:
         cfg = load_resolved(overrides)
@@ -311,8 +312,8 @@ def run_suite(suite: Suite, selected: list[tuple[int, Case]], out: Path, fresh: 
         "suite": suite.name, "description": suite.description, "command": command,
         "fresh": fresh, "results_dir": None if fresh else str(shared),
         "cases": len(selected), "complete": False,
-        "started": _now(),
-        "load_start": _load_1m(), "machine": machine_info(), "units": UNITS,
+        "started": now_utc(),
+        "load_start": load_1m(), "machine": machine_info(), "units": UNITS,
         "import_seconds": {name: import_seconds(name) for name in suite.imports},
     }
     rows: list[dict[str, Any]] = []
@@ -345,7 +346,7 @@ def run_suite(suite: Suite, selected: list[tuple[int, Case]], out: Path, fresh: 
                 cases_bar.close()
                 print(head, end="", file=sys.stderr)
             print("interrupted", file=sys.stderr, flush=True)
-            meta["finished"], meta["load_end"] = _now(), _load_1m()
+            meta["finished"], meta["load_end"] = now_utc(), load_1m()
             _write_outputs(out, suite, rows, meta)
             raise
         failed += row["status"] == "Error"
@@ -356,8 +357,8 @@ def run_suite(suite: Suite, selected: list[tuple[int, Case]], out: Path, fresh: 
             cases_bar.write(head + _progress(k, n, row), file=sys.stderr)
             cases_bar.update()
         meta["complete"] = k == n
-        meta["finished"] = _now()
-        meta["load_end"] = _load_1m()
+        meta["finished"] = now_utc()
+        meta["load_end"] = load_1m()
         _write_outputs(out, suite, rows, meta)
     cases_bar.close()
     print(f"{suite.name}: {n - failed} of {n} cases ok -> {out / (suite.name + '.md')}",
