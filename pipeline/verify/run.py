@@ -68,7 +68,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.core import runtime
+from pipeline.core import interrupts, runtime
 from pipeline.core.errors import PlanError
 from pipeline.core.ir import load_nodes, read_graph
 from pipeline.plan.format import (
@@ -311,6 +311,7 @@ def verify(cfg: Any, *, plan_path: Path | None = None, nproc: int | None = None,
     record["environment"] = runtime.environment()
     record["git"] = runtime.git_revision()
     target = Path(output) if output is not None else path.parent / VERIFY_FILE
+    interrupts.check()  # a signal swallowed while a worker started: no verdict written
     runtime.write_json(target, record)
     record["path"] = str(target)
     return record
