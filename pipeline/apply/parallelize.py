@@ -35,7 +35,11 @@ dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...))``):
    unsharded parameter divides a gradient DTensor computed ``Replicate`` on one of the
    unit's dims (the same on every rank there) by that dim's size; a ``Partial`` one is
    a partial sum already; one computed ``Shard`` on a unit dim (a context-parallel dim)
-   is gathered there first (FSDP2 reduce-scatters the local tensor as it is).
+   is gathered there first (FSDP2 reduce-scatters the local tensor as it is). A unit
+   whose backward reads none of its weights (an embedding table; the traced graph says
+   which: :func:`pipeline.apply.styles.backward_reads`) is not re-gathered before its
+   backward (``set_unshard_in_backward(False)``), as the plan prices it; a unit
+   recomputed by activation checkpointing always is.
 4. **The rest** (a parameter whose placement is no FSDP and no tensor-parallel style:
    stored on one layout, used on another that is not its gather; one with no data dim
    at all) is placed by ``distribute_tensor`` with the plan's stored placement,
@@ -220,7 +224,7 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
     from torch.distributed.fsdp import DataParallelMeshDims, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-    from pipeline.apply.styles import parameter_readings, parameter_uses
+    from pipeline.apply.styles import backward_reads, parameter_readings, parameter_uses
     from pipeline.core.ir import load_nodes
 
     if activation_checkpointing not in AC_MODES:
@@ -334,6 +338,20 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
     rest = [f for f in params if params[f]["unit"] is not None and id(new[f]) not in managed]
     if root or units:
         apply("", root or rest or [next(f for f in params if params[f]["unit"] is not None)])
+    reads = backward_reads(nodes)
+    wrapped = set(ac["modules"])
+    for name, unit in units.items():
+        # FSDP2 re-gathers a unit before its backward; a unit whose backward reads none of
+        # its weights (an embedding table) is not re-gathered, as the plan prices it
+        # (``FSDPModule.set_unshard_in_backward``, torch/distributed/fsdp/_fully_shard/
+        # _fully_shard.py: "all parameters in this FSDP module's parameter group are not
+        # needed for backward computation (e.g. embedding)"); never one recomputed by
+        # activation checkpointing, whose recomputed forward reads them
+        unit["unshard_in_backward"] = bool(
+            name in wrapped or any(f in reads for f in unit["parameters"])
+            or any(name.startswith(w + ".") for w in wrapped))
+        if not unit["unshard_in_backward"]:
+            model.get_submodule(name).set_unshard_in_backward(False)
     for fqn in params:
         if params[fqn]["unit"] is not None and id(new[fqn]) not in managed:
             fallback[fqn] = "left outside every FSDP2 unit"

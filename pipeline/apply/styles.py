@@ -15,8 +15,8 @@ from pipeline.core.ir import load_nodes
 from pipeline.dtensor.placements import format_placements
 from pipeline.plan.format import Plan
 
-__all__ = ["ModuleStyle", "TorchStyles", "parameter_readings", "parameter_uses",
-           "torch_styles"]
+__all__ = ["ModuleStyle", "TorchStyles", "backward_reads", "parameter_readings",
+           "parameter_uses", "torch_styles"]
 
 #: Ops a parameter passes through on its way to the op that computes with it (casts
 #: and views): the *use* of the parameter is the placement the first of them expects.
@@ -167,6 +167,28 @@ def parameter_uses(plan: Plan, nodes: Sequence[Any]) -> dict[str, str]:
     for p in plan.parameters:
         use = first_use(p.node)
         out[p.name] = use[0] if use else p.placement
+    return out
+
+
+def backward_reads(nodes: Sequence[Any]) -> set[str]:
+    """The parameters (fqns) the traced backward reads: a backward node takes the
+    parameter's placeholder or a forward copy computed from parameters alone (its cast,
+    its transpose). FSDP2 re-gathers a unit before its backward only for these; an
+    embedding table is not one (``embedding_dense_backward`` reads the output gradient
+    and the indices, never the weight), as the cost model's re-gather rule
+    (:meth:`pipeline.memory.graph.StepGraph.regather_edges`) has it."""
+    sources: dict[int, set[str]] = {}
+    for n in sorted(nodes, key=lambda n: n.idx):
+        if n.kind == "placeholder" and n.role == "param" and n.fqn:
+            sources[n.idx] = {n.fqn}
+        elif n.phase == "fwd" and n.kind == "call_function" and n.refs and all(
+                r in sources for r in n.refs):
+            sources[n.idx] = set().union(*(sources[r] for r in n.refs))
+    out: set[str] = set()
+    for n in nodes:
+        if n.phase == "bwd" and n.kind == "call_function":
+            for r in n.refs:
+                out |= sources.get(r, set())
     return out
 
 

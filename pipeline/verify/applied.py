@@ -133,11 +133,16 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
     activation collectives), each ``{kind(mesh dims): count}``.
 
     A weight or gradient edge of a parameter FSDP2 manages (``units``: ``{fqn: unit}``)
-    is one member of its unit's bucket: one collective per (unit, kind, weight or
-    gradient) and per time it runs (``times``: 2 for a weight FSDP2 re-gathers for
-    backward), as ``fully_shard`` issues them. Every other edge counts once per
-    collective of the row."""
-    buckets: dict[tuple[str, str, str], int] = {}
+    is one member of its unit's bucket: FSDP2 issues one collective per (unit, kind,
+    weight or gradient, phase) (``foreach_all_gather`` of the unit's parameters before
+    its forward, and again before its backward; one ``foreach_reduce`` of its
+    gradients). A weight edge is gathered in the phase of its consumer, and once more
+    before the backward when the plan re-gathers it (``times`` 2: a forward weight copy
+    the backward reads); a weight the backward reads through its own edge (a backward
+    consumer of the cast weight, as in a bf16 trace) is that backward gather. Every
+    other edge counts once per collective of the row."""
+    phase = {n.name: n.phase for n in nodes}
+    buckets: set[tuple[str, str, str, str]] = set()
     params: collections.Counter[str] = collections.Counter()
     activations: collections.Counter[str] = collections.Counter()
     for row in rows:
@@ -146,12 +151,15 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
             continue
         fqn, kind = edge_parameter(row, nodes, plan)
         unit = units.get(fqn) if fqn is not None else None
+        consumer = str(row["consumer_name"])
+        when = {"bwd" if consumer.startswith("output:") else phase.get(consumer, "fwd")}
+        if kind == "weight" and int(row.get("times") or 1) > 1:
+            when.add("bwd")
         for name in names:
             if unit is not None:
-                key = (unit, name, kind)
-                buckets[key] = max(buckets.get(key, 0), int(row.get("times") or 1))
+                buckets.update((unit, name, kind, w) for w in when)
             else:
                 activations[name] += 1
-    for (_, name, _), times in buckets.items():
-        params[name] += times
+    for _, name, _, _ in buckets:
+        params[name] += 1
     return dict(sorted(params.items())), dict(sorted(activations.items()))

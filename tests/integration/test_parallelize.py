@@ -10,9 +10,9 @@ shape, on every rank, equals the planned one, and its values are the shard
 ``distribute_tensor(full, mesh, planned placements)`` gives (so a parameter the plan
 shards over every dim is one ``Shard(k)`` of the flattened dim, never HSDP); per-rank
 parameter bytes worked out here from the plan's shapes; the FSDP2 collectives counted
-by hand from the units (2 layers, tok_embeddings, norm, output: a forward gather, a
-backward re-gather and a reduce-scatter each) and beside the plan's, which counts the
-embedding's re-gather once (its backward reads no weight); a layout no standard style
+by hand from the units (2 layers, tok_embeddings, norm, output: a forward gather and a
+reduce-scatter each, a backward re-gather for every unit but the embedding, whose
+backward reads no weight) equal to the counted and to the plan's; a layout no standard style
 expresses (the embedding column-sharded on the data dim, as the Llama-3 8B plan on 64
 GPUs) goes through the fallback, named in the report, and still matches; a model with
 a renamed layer is refused naming it.
@@ -134,10 +134,14 @@ def test_planner_plan_applied_matches_the_unsharded_step(results: Path, mesh: st
     if all(p["placement"] == "S(0)" * len(shape) for p in plan["parameters"]):
         dims = "+".join(cfg.mesh_names)
         coll = applied["collectives"]
-        assert coll["counted_parameters"] == {f"all_gather({dims})": 10,
-                                              f"reduce_scatter({dims})": 5}
-        assert coll["planned_parameters"] == {f"all_gather({dims})": 9,
-                                              f"reduce_scatter({dims})": 5}
+        # 5 units (layers.0, layers.1, tok_embeddings, norm, output): a forward gather
+        # each, a backward re-gather for the 4 whose backward reads a weight (not the
+        # embedding: set_unshard_in_backward(False)), a reduce-scatter each
+        by_hand = {f"all_gather({dims})": 5 + 4, f"reduce_scatter({dims})": 5}
+        assert coll["counted_parameters"] == by_hand
+        assert coll["planned_parameters"] == by_hand
+        assert applied["report"]["units"]["tok_embeddings"]["unshard_in_backward"] is False
+        assert applied["report"]["units"]["layers.0"]["unshard_in_backward"] is True
 
 
 @pytest.mark.parametrize(("mesh", "recipe"), [
