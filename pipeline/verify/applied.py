@@ -128,7 +128,9 @@ def edge_parameter(row: Mapping[str, Any], nodes: Sequence[Any], plan: Any
 
 
 def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], plan: Any,
-                    units: Mapping[str, str | None]) -> tuple[dict[str, int], dict[str, int]]:
+                    units: Mapping[str, str | None],
+                    data_dims: Mapping[str, Sequence[str]] | None = None
+                    ) -> tuple[dict[str, int], dict[str, int]]:
     """The plan's collectives as the applied step issues them: (parameter collectives,
     activation collectives), each ``{kind(mesh dims): count}``.
 
@@ -139,8 +141,16 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
     gradients). A weight edge is gathered in the phase of its consumer, and once more
     before the backward when the plan re-gathers it (``times`` 2: a forward weight copy
     the backward reads); a weight the backward reads through its own edge (a backward
-    consumer of the cast weight, as in a bf16 trace) is that backward gather. Every
-    other edge counts once per collective of the row."""
+    consumer of the cast weight, as in a bf16 trace) is that backward gather.
+
+    Only a collective over the parameter's FSDP2 dims (``data_dims``: ``{fqn: shard and
+    replicate dims}``; all of them when not given) is bucketed: FSDP2 reduces a
+    gradient on its other mesh dims (a tensor-parallel dim where the gradient is a
+    partial sum) per parameter, by ``grad.redistribute`` to the parameter's placements
+    there before its own reduce-scatter (``FSDPParam._get_grad_inner_tensor``,
+    torch/distributed/fsdp/_fully_shard/_fsdp_param.py: "Only redistribute non-DP
+    dims; keep Partial on DP dims"), so such a collective counts once per row, as every
+    other edge's does."""
     phase = {n.name: n.phase for n in nodes}
     buckets: set[tuple[str, str, str, str]] = set()
     params: collections.Counter[str] = collections.Counter()
@@ -156,7 +166,8 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
         if kind == "weight" and int(row.get("times") or 1) > 1:
             when.add("bwd")
         for name in names:
-            if unit is not None:
+            dims = set(name[name.index("(") + 1:-1].split("+"))
+            if unit is not None and (data_dims is None or dims <= set(data_dims[fqn])):
                 buckets.update((unit, name, kind, w) for w in when)
             else:
                 activations[name] += 1

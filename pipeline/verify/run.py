@@ -347,7 +347,9 @@ def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir
     table_path = solve_dir / "redistributions.parquet"
     if table_path.exists():
         rows = runtime.read_parquet(table_path).to_pylist()
-    planned_params, planned_acts = applied_planned(rows, nodes, plan, units)
+    data_dims = {f: [*v["shard"], *v["replicate"]]
+                 for f, v in r0["report"]["parameters"].items()}
+    planned_params, planned_acts = applied_planned(rows, nodes, plan, units, data_dims)
     counted = r0["collectives"]
     managed = set(planned_params)
     counted_params = {k: v for k, v in counted.items() if k in managed}
