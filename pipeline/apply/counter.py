@@ -11,6 +11,12 @@ process group object) are counted the same way. On CPU, DTensor runs
 an all-to-all as an all-gather plus a local chunk (gloo has no all-to-all,
 ``_collective_utils.shard_dim_alltoall``); such a gather is counted as the
 ``all_to_all`` DTensor issued.
+
+``root_counts`` are the DTensor collectives the root module issues by its own ops,
+outside every submodule, in forward and in backward (the loss of a training step:
+``log_softmax`` and ``nll_loss`` and their backward), told by CommDebugMode's module
+tracker (``advanced_module_tracker.name``: the root module's name has no dot; FSDP2's
+own ``c10d`` collectives, issued from the root unit's hooks, are not among them).
 """
 
 from __future__ import annotations
@@ -66,7 +72,8 @@ class CollectiveCounter(CommDebugMode):
 
     ``counts`` maps e.g. ``"all_gather(dp)"`` to the number of functional collective
     calls of that kind on that mesh dim's process group (see the module docstring for
-    the CPU all-to-all). ``get_comm_counts()`` keeps CommDebugMode's own per-op totals
+    the CPU all-to-all); ``root_counts`` those the root module's own ops issue.
+    ``get_comm_counts()`` keeps CommDebugMode's own per-op totals
     (every collective still goes through ``CommDebugMode.__torch_dispatch__``); other
     ops skip its per-op tracing tables.
     """
@@ -77,6 +84,7 @@ class CollectiveCounter(CommDebugMode):
         self.group_dims = {mesh.get_group(d).group_name: names[d] for d in range(mesh.ndim)}
         self.rank_sets = _rank_sets(mesh, names)
         self.counts: collections.Counter[str] = collections.Counter()
+        self.root_counts: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -96,6 +104,9 @@ class CollectiveCounter(CommDebugMode):
         group = _group_name(func, args, kwargs or {})
         label = self.group_dims.get(group) or self.rank_sets.get(_group_ranks(group), group)
         self.counts[f"{kind}({label})"] += 1
+        module = str(self.advanced_module_tracker.name)
+        if packet not in C10D_COLLECTIVE_OPS and "." not in module and module != "Global":
+            self.root_counts[f"{kind}({label})"] += 1
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["applied_planned", "applied_rank", "edge_parameter"]
+__all__ = ["LOSS_REASON", "applied_planned", "applied_rank", "dtensor_collectives",
+           "edge_parameter", "loss_region", "unplanned_collectives"]
 
 
 def applied_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
@@ -69,11 +70,12 @@ def applied_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
         loss = model(*inputs)
         loss.backward()
     counted = dict(sorted(counter.counts.items()))
+    counted_loss = dict(sorted(counter.root_counts.items()))
     value = loss.full_tensor() if isinstance(loss, DTensor) else loss
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
              for n, p in model.named_parameters() if p.grad is not None}
     out: dict[str, Any] = {
-        "collectives": counted, "placements": placements,
+        "collectives": counted, "loss_collectives": counted_loss, "placements": placements,
         "parameter_bytes": int(local_bytes), "predicted_parameter_bytes": int(predicted),
         "report": report.to_json() if rank == 0 else None}
     if rank == 0:
@@ -86,6 +88,44 @@ def applied_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
                         for n, ref in ref_grads.items()}
     del torch
     return out
+
+
+def dtensor_collectives(row: Mapping[str, Any], mesh_shape: Sequence[int],
+                        mesh_names: Sequence[str],
+                        flattened: Collection[frozenset[str]] = ()) -> list[str]:
+    """The collectives DTensor's ``redistribute`` issues for one row of
+    ``redistributions.parquet``: its ``collectives`` when each runs on one mesh dim;
+    else (a collective over a flattened group such as ``all_gather(dp+tp)``, priced as
+    FSDP2 runs it, pipeline/costmodel/redistribute/flatten.py) the per-mesh-dim plan of
+    ``src_placement -> dst_placement``, which is what runs here.
+
+    ``flattened``: the groups of mesh dims a flattened ``DeviceMesh`` exists for (FSDP2
+    makes one for the shard dims of a unit). DTensor runs consecutive steps of one
+    collective over such dims as one collective over the flattened mesh, and per mesh
+    dim when no such mesh exists (``_optimize_transform_infos``,
+    torch/distributed/tensor/_redistribute.py: "A flattened mesh covering the relevant
+    dimensions must exist"), so a row's flattened collective whose dims are one of
+    ``flattened`` stays one collective."""
+    names = list(row["collectives"] or ())
+    if not any("+" in n and _dims(n) not in flattened for n in names):
+        return names
+    from pipeline.core.dtypes import itemsize
+    from pipeline.costmodel.hardware import HardwareConfig
+    from pipeline.costmodel.redistribute import redistribute_steps
+    from pipeline.dtensor.placements import parse_placements
+
+    ndim = len(mesh_shape)
+    steps = redistribute_steps(row["shape"], itemsize(row["dtype"]),
+                               parse_placements(row["src_placement"], ndim),
+                               parse_placements(row["dst_placement"], ndim),
+                               tuple(mesh_shape), HardwareConfig()) or []
+    return [f"{st.kind}({mesh_names[st.mesh_dim]})" for st in steps
+            if st.kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")]
+
+
+def _dims(name: str) -> frozenset[str]:
+    """``"all_gather(dp+tp)"`` -> ``{"dp", "tp"}``."""
+    return frozenset(name[name.index("(") + 1:-1].split("+"))
 
 
 def edge_parameter(row: Mapping[str, Any], nodes: Sequence[Any], plan: Any
@@ -127,12 +167,37 @@ def edge_parameter(row: Mapping[str, Any], nodes: Sequence[Any], plan: Any
     return None, "activation"
 
 
+def loss_region(nodes: Sequence[Any]) -> set[str]:
+    """The traced nodes of the loss: the ops the root module runs itself (``module_path``
+    empty) after the last forward op of a submodule (the logits' cast and view,
+    ``log_softmax``, ``nll_loss_forward``, the labels' view), and the root's backward
+    ops before the first backward op of a submodule (``nll_loss_backward``,
+    ``_log_softmax_backward_data``). Root ops elsewhere are not the loss: the embedding
+    output's cast, the gradient sums of the residual stream between layers.
+
+    The applied side (:class:`pipeline.apply.CollectiveCounter` ``root_counts``) counts
+    every root op's collectives; in these models the root's other ops issue none, and
+    one that did would be left in ``unexplained``, not hidden."""
+    calls = [n for n in sorted(nodes, key=lambda n: n.idx) if n.kind == "call_function"]
+    fwd = [n for n in calls if n.phase == "fwd"]
+    bwd = [n for n in calls if n.phase == "bwd"]
+    last_sub = max((k for k, n in enumerate(fwd) if n.module_path), default=-1)
+    out = {n.name for n in fwd[last_sub + 1:] if not n.module_path}
+    for n in bwd:
+        if n.module_path:
+            break
+        out.add(n.name)
+    return out
+
+
 def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], plan: Any,
                     units: Mapping[str, str | None],
-                    data_dims: Mapping[str, Sequence[str]] | None = None
-                    ) -> tuple[dict[str, int], dict[str, int]]:
+                    data_dims: Mapping[str, Sequence[str]] | None = None,
+                    flattened: Collection[frozenset[str]] = ()
+                    ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
     """The plan's collectives as the applied step issues them: (parameter collectives,
-    activation collectives), each ``{kind(mesh dims): count}``.
+    activation collectives, loss collectives), each ``{kind(mesh dims): count}``; the
+    loss's are the edges into :func:`loss_region` and into the loss output.
 
     A weight or gradient edge of a parameter FSDP2 manages (``units``: ``{fqn: unit}``)
     is one member of its unit's bucket: FSDP2 issues one collective per (unit, kind,
@@ -150,11 +215,18 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
     there before its own reduce-scatter (``FSDPParam._get_grad_inner_tensor``,
     torch/distributed/fsdp/_fully_shard/_fsdp_param.py: "Only redistribute non-DP
     dims; keep Partial on DP dims"), so such a collective counts once per row, as every
-    other edge's does."""
+    other edge's does.
+
+    Every edge FSDP2 does not run is DTensor's ``redistribute``: its collectives are
+    :func:`dtensor_collectives` of the row, one over a flattened group only where
+    ``flattened`` (the groups of mesh dims FSDP2 flattened into one mesh: a unit's
+    shard dims, its replicate dims) has that group."""
     phase = {n.name: n.phase for n in nodes}
+    region = loss_region(nodes)
     buckets: set[tuple[str, str, str, str]] = set()
     params: collections.Counter[str] = collections.Counter()
     activations: collections.Counter[str] = collections.Counter()
+    loss: collections.Counter[str] = collections.Counter()
     for row in rows:
         names = list(row["collectives"] or ())
         if not names:
@@ -162,15 +234,59 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
         fqn, kind = edge_parameter(row, nodes, plan)
         unit = units.get(fqn) if fqn is not None else None
         consumer = str(row["consumer_name"])
+        if unit is None:  # DTensor's redistribute runs it, not FSDP2
+            names = dtensor_collectives(row, plan.mesh_shape, plan.mesh_names, flattened)
+        if unit is None and (consumer in region or (
+                consumer.startswith("output:") and not consumer.startswith("output:grad:"))):
+            loss.update(names)
+            continue
         when = {"bwd" if consumer.startswith("output:") else phase.get(consumer, "fwd")}
         if kind == "weight" and int(row.get("times") or 1) > 1:
             when.add("bwd")
         for name in names:
-            dims = set(name[name.index("(") + 1:-1].split("+"))
-            if unit is not None and (data_dims is None or dims <= set(data_dims[fqn])):
+            if unit is not None and (data_dims is None or _dims(name) <= set(data_dims[fqn])):
                 buckets.update((unit, name, kind, w) for w in when)
             else:
                 activations[name] += 1
     for _, name, _, _ in buckets:
         params[name] += 1
-    return dict(sorted(params.items())), dict(sorted(activations.items()))
+    return (dict(sorted(params.items())), dict(sorted(activations.items())),
+            dict(sorted(loss.items())))
+
+
+#: Why the loss's collectives differ (the ``loss`` entry of ``unplanned``).
+LOSS_REASON = (
+    "the module computes its loss in its own forward, outside every submodule, under "
+    "DTensor's sharding propagation: parallelize redistributes at module boundaries "
+    "only, so the plan's loss layout (the log-probabilities and labels gathered before "
+    "nll_loss, or the loss all-reduced over a flattened group) is not applied; the step "
+    "issues DTensor's own (the partial loss all-reduced in forward and its total "
+    "weight in backward, vocabulary-sharded logits gathered for log_softmax), which "
+    "the cost model does not price")
+
+
+def unplanned_collectives(counted: Mapping[str, int], planned: Mapping[str, int],
+                          counted_loss: Mapping[str, int], planned_loss: Mapping[str, int]
+                          ) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """(the named differences between the applied step's collectives and the plan's,
+    what is left unexplained).
+
+    An entry is ``{"cause", "counted", "planned", "reason"}``: the collectives the
+    applied step issues for that cause beside those the plan lists for it. The one
+    cause today is ``loss`` (:data:`LOSS_REASON`): the collectives the root module's
+    own ops issue (:class:`pipeline.apply.CollectiveCounter` ``root_counts``) beside the
+    plan's edges into the loss (:func:`loss_region`), listed when they differ. The
+    rest is ``counted - planned`` less every entry's ``counted - planned``, per
+    ``kind(mesh dims)``, zeros left out: empty when every difference is named."""
+    entries: list[dict[str, Any]] = []
+    if dict(counted_loss) != dict(planned_loss):
+        entries.append({"cause": "loss", "counted": dict(sorted(counted_loss.items())),
+                        "planned": dict(sorted(planned_loss.items())),
+                        "reason": LOSS_REASON})
+    rest: collections.Counter[str] = collections.Counter()
+    rest.update(counted)
+    rest.subtract(planned)
+    for e in entries:
+        rest.subtract(e["counted"])
+        rest.update(e["planned"])
+    return entries, {k: v for k, v in sorted(rest.items()) if v}

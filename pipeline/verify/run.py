@@ -57,6 +57,7 @@ and one line says so (:mod:`pipeline.verify.signals`).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -78,6 +79,7 @@ from pipeline.plan.format import (
     check_world_size,
     load,
 )
+from pipeline.verify.applied import dtensor_collectives
 from pipeline.verify.compare import RTOL
 from pipeline.verify.execute import check_deterministic, worker
 from pipeline.verify.models import (
@@ -104,30 +106,6 @@ _FLAGS = ("--plan", "--nproc", "--seed", "--output", "--measure", "--warmup")
 
 
 # --------------------------------------------------------------------------- driver
-
-
-def dtensor_collectives(row: dict[str, Any], mesh_shape: Sequence[int],
-                        mesh_names: Sequence[str]) -> list[str]:
-    """The collectives DTensor's ``redistribute`` issues for one row of
-    ``redistributions.parquet``: its ``collectives`` when each runs on one mesh dim;
-    else (a collective over a flattened group such as ``all_gather(dp+tp)``, priced as
-    FSDP2 runs it, pipeline/costmodel/redistribute/flatten.py) the per-mesh-dim plan of
-    ``src_placement -> dst_placement``, which is what runs here."""
-    names = list(row["collectives"] or ())
-    if not any("+" in n for n in names):
-        return names
-    from pipeline.core.dtypes import itemsize
-    from pipeline.costmodel.hardware import HardwareConfig
-    from pipeline.costmodel.redistribute import redistribute_steps
-    from pipeline.dtensor.placements import parse_placements
-
-    ndim = len(mesh_shape)
-    steps = redistribute_steps(row["shape"], itemsize(row["dtype"]),
-                               parse_placements(row["src_placement"], ndim),
-                               parse_placements(row["dst_placement"], ndim),
-                               tuple(mesh_shape), HardwareConfig()) or []
-    return [f"{st.kind}({mesh_names[st.mesh_dim]})" for st in steps
-            if st.kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")]
 
 
 def planned_collectives(plan: Any) -> tuple[dict[str, int], str]:
@@ -321,15 +299,13 @@ def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir
                    ) -> dict[str, Any]:
     """The applied path's part of ``verify.json`` (:mod:`pipeline.verify.applied`): ``ok``
     when the loss and every gradient match within :data:`RTOL` and every parameter has
-    its planned local shape on every rank. The check ``parameter_collectives`` (the
-    parameter collectives counted equal the plan's as FSDP2 buckets them, on every rank)
-    is reported beside it, not part of ``ok``: FSDP2 re-gathers every unit before its
-    backward, also one whose backward reads no weight (the embedding), which the plan
-    counts once. The activation collectives of the plan and of the applied step are
-    listed side by side (the module's own step need not issue the traced graph's
-    activation redistributions one for one: the plan gathers the log-probabilities
-    before the loss, the applied step all-reduces the partial loss)."""
-    from pipeline.verify.applied import applied_planned
+    its planned local shape on every rank. Beside it, not part of ``ok``: the check
+    ``collectives`` (the collectives counted equal the plan's as the applied step issues
+    them, :func:`pipeline.verify.applied.applied_planned`, on every rank) and
+    ``collectives_explained`` (every difference is a named entry of ``unplanned``, with
+    its reason, and nothing is left in ``unexplained``:
+    :func:`pipeline.verify.applied.unplanned_collectives`)."""
+    from pipeline.verify.applied import applied_planned, unplanned_collectives
 
     parts = [r.get("applied", {"error": "no applied result"}) for r in ranks]
     errors = [a["error"] for a in parts if "error" in a]
@@ -343,32 +319,41 @@ def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir
     shapes_ok = all(v["local_shape"] == v["planned_local_shape"]
                     for a in parts for v in a["placements"].values())
     units = {f: v["unit"] for f, v in r0["report"]["parameters"].items()}
+    data_dims = {f: [*v["shard"], *v["replicate"]]
+                 for f, v in r0["report"]["parameters"].items()}
     rows: list[dict[str, Any]] = []
     table_path = solve_dir / "redistributions.parquet"
     if table_path.exists():
         rows = runtime.read_parquet(table_path).to_pylist()
-    data_dims = {f: [*v["shard"], *v["replicate"]]
-                 for f, v in r0["report"]["parameters"].items()}
-    planned_params, planned_acts = applied_planned(rows, nodes, plan, units, data_dims)
+    # FSDP2 flattens a unit's shard dims, and its replicate dims, into one mesh each
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_init.py, _get_mesh_info_from_named_dims)
+    flattened = {frozenset(u[k]) for u in r0["report"]["units"].values()
+                 for k in ("shard", "replicate") if len(u[k]) > 1}
+    planned_params, planned_acts, planned_loss = applied_planned(
+        rows, nodes, plan, units, data_dims, flattened)
+    planned: collections.Counter[str] = collections.Counter()
+    for part in (planned_params, planned_acts, planned_loss):
+        planned.update(part)
     counted = r0["collectives"]
-    managed = set(planned_params)
-    counted_params = {k: v for k, v in counted.items() if k in managed}
-    counted_acts = {k: v for k, v in counted.items() if k not in managed}
-    coll_ok = counted_params == planned_params and all(
-        a["collectives"] == counted for a in parts)
+    same = all(a["collectives"] == counted and a["loss_collectives"] == r0["loss_collectives"]
+               for a in parts)
+    unplanned, unexplained = unplanned_collectives(counted, planned, r0["loss_collectives"],
+                                                   planned_loss)
     return {
         "ok": bool(numbers_ok and shapes_ok),
         "checks": {"loss_and_grads": bool(numbers_ok), "local_shapes": bool(shapes_ok),
-                   "parameter_collectives": bool(coll_ok),
+                   "collectives": bool(same and counted == dict(planned)),
+                   "collectives_explained": bool(same and not unexplained),
                    "same_shards": all(v["same_shard"] for a in parts
                                       for v in a["placements"].values())},
         "loss": r0["loss"], "grads": grads,
         "max_grad_rel_diff": max(rels[1:], default=0.0),
         "placements": r0["placements"],
-        "collectives": {"counted": counted, "planned_parameters": planned_params,
-                        "counted_parameters": counted_params,
-                        "planned_activations": planned_acts,
-                        "counted_activations": counted_acts},
+        "collectives": {"counted": counted, "planned": dict(sorted(planned.items())),
+                        "planned_parameters": planned_params,
+                        "planned_activations": planned_acts, "planned_loss": planned_loss,
+                        "counted_loss": r0["loss_collectives"],
+                        "unplanned": unplanned, "unexplained": unexplained},
         "parameter_bytes_per_rank": [a["parameter_bytes"] for a in parts],
         "predicted_parameter_bytes_per_rank": [a["predicted_parameter_bytes"] for a in parts],
         "report": r0["report"]}

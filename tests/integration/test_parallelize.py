@@ -12,7 +12,10 @@ shards over every dim is one ``Shard(k)`` of the flattened dim, never HSDP); per
 parameter bytes worked out here from the plan's shapes; the FSDP2 collectives counted
 by hand from the units (2 layers, tok_embeddings, norm, output: a forward gather and a
 reduce-scatter each, a backward re-gather for every unit but the embedding, whose
-backward reads no weight) equal to the counted and to the plan's; a layout no standard style
+backward reads no weight) equal to the counted and to the plan's, the recipe ``fsdp``
+counting exactly the plan's collectives and the planner's plans (toy, GPT-2) differing
+by the one named ``unplanned`` entry ``loss`` (the plan gathers the log-probabilities
+and labels, the module's step all-reduces its partial loss); a layout no standard style
 expresses (the embedding column-sharded on the data dim, as the Llama-3 8B plan on 64
 GPUs) goes through the fallback, named in the report, and still matches; a model with
 a renamed layer is refused naming it.
@@ -137,16 +140,36 @@ def test_planner_plan_applied_matches_the_unsharded_step(results: Path, mesh: st
         # 5 units (layers.0, layers.1, tok_embeddings, norm, output): a forward gather
         # each, a backward re-gather for the 4 whose backward reads a weight (not the
         # embedding: set_unshard_in_backward(False)), a reduce-scatter each
-        by_hand = {f"all_gather({dims})": 5 + 4, f"reduce_scatter({dims})": 5}
-        assert coll["counted_parameters"] == by_hand
-        assert coll["planned_parameters"] == by_hand
+        fsdp = {f"all_gather({dims})": 5 + 4, f"reduce_scatter({dims})": 5}
+        assert coll["planned_parameters"] == fsdp
         assert applied["report"]["units"]["tok_embeddings"]["unshard_in_backward"] is False
         assert applied["report"]["units"]["layers.0"]["unshard_in_backward"] is True
+        # the loss: the plan gathers the log-probabilities over every dim (one
+        # flattened all-gather) and the labels over dp before nll_loss; the module's
+        # step all-reduces its partial loss (forward) and total weight (backward)
+        _assert_loss_only_difference(coll, fsdp, dims)
+
+
+def _assert_loss_only_difference(coll: dict, fsdp: dict, dims: str) -> None:
+    """Counted = the FSDP2 collectives + the loss's two all-reduces; planned = the same
+    FSDP2 collectives + the loss's two gathers; the one named difference is ``loss``."""
+    loss_counted = {f"all_reduce({dims})": 2}
+    loss_planned = {f"all_gather({dims})": 1}
+    loss_planned["all_gather(dp)"] = loss_planned.get("all_gather(dp)", 0) + 1
+    assert coll["counted"] == {**fsdp, **loss_counted}
+    assert coll["planned"] == _added(fsdp, loss_planned)
+    assert [(e["cause"], e["counted"], e["planned"]) for e in coll["unplanned"]] == [
+        ("loss", loss_counted, loss_planned)]
+    assert coll["unexplained"] == {}
+
+
+def _added(a: dict, b: dict) -> dict:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in sorted({*a, *b})}
 
 
 @pytest.mark.parametrize(("mesh", "recipe"), [
     ("2", "ddp"),  # replicate-only units: FSDP2 refused a shard_placement_fn there
-    pytest.param("2x2", "ddp", marks=pytest.mark.slow), ("2x2", "hsdp"),
+    pytest.param("2x2", "ddp", marks=pytest.mark.slow), ("2x2", "hsdp"), ("4", "fsdp"),
     pytest.param("2x2", "fsdp", marks=pytest.mark.slow),
     # Megatron-SP recipes (every activation pinned, Partial included): the row-wise
     # embedding's masked partial is reduced once, at the module's output layout (it was
@@ -158,9 +181,21 @@ def test_recipe_plans_applied_match(results: Path, mesh: str, recipe: str) -> No
     """Whatever the recipe pins: the plan it gives is applied and matches (a weight the
     plan uses in a layout no style expresses goes through the fallback)."""
     shape = tuple(int(m) for m in mesh.split("x"))
-    applied, plan, _ = _applied([*TINY, f"mesh={mesh}", f"recipe={recipe}",
-                                 f"results_dir={results}"])
+    applied, plan, cfg = _applied([*TINY, f"mesh={mesh}", f"recipe={recipe}",
+                                   f"results_dir={results}"])
     assert applied["parameter_bytes_per_rank"] == _bytes_by_hand(plan, shape)
+    if recipe == "fsdp":
+        # counted == planned, worked out from the units: 5 forward gathers, 4 backward
+        # re-gathers (not the embedding's), 5 reduce-scatters over the flattened data
+        # dims, and the loss as the plan has it too (the partial loss all-reduced in
+        # forward, its total weight in backward)
+        dims = "+".join(cfg.mesh_names)
+        by_hand = {f"all_gather({dims})": 9, f"all_reduce({dims})": 2,
+                   f"reduce_scatter({dims})": 5}
+        coll = applied["collectives"]
+        assert coll["counted"] == coll["planned"] == by_hand
+        assert coll["unplanned"] == [] and coll["unexplained"] == {}
+        assert applied["checks"]["collectives"]
     if recipe == "hsdp":
         rs = [p for p in plan["parameters"] if p["placement"] == "RS(0)"]
         assert rs and all(applied["placements"][p["fqn"]]["applied"] == "RS(0) on dp,tp"
@@ -201,8 +236,18 @@ def test_hf_plans_applied_match(results: Path, model: str) -> None:
     applied, plan, _ = _applied([*HF[model], *HF_SHAPE, f"results_dir={results}"])
     assert applied["checks"]["same_shards"]
     assert applied["parameter_bytes_per_rank"] == _bytes_by_hand(plan, (2, 2))
+    coll = applied["collectives"]
+    assert coll["unexplained"] == {} and applied["checks"]["collectives_explained"]
     if model == "gpt2":  # tied: one tensor under wte, in the root unit
         assert applied["report"]["parameters"]["transformer.wte.weight"]["unit"] == ""
+        if all(p["placement"] == "S(0)S(0)" for p in plan["parameters"]):
+            # 4 units: the root (wte, tied: gathered for the embedding and again for
+            # the head's backward), transformer.h.0 and transformer.ln_f (forward and
+            # backward), transformer.wpe (forward only: its backward reads no weight);
+            # a reduce-scatter each
+            fsdp = {"all_gather(dp+tp)": 2 + 2 + 2 + 1, "reduce_scatter(dp+tp)": 4}
+            assert coll["planned_parameters"] == fsdp
+            _assert_loss_only_difference(coll, fsdp, "dp+tp")
 
 
 def test_a_layout_no_style_expresses_goes_through_the_fallback(results: Path) -> None:

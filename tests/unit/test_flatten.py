@@ -25,7 +25,7 @@ from pipeline.costmodel.redistribute import (
     redistribute_us,
 )
 from pipeline.costmodel.redistribute.interner import PlacementInterner
-from pipeline.verify.run import dtensor_collectives
+from pipeline.verify.applied import dtensor_collectives
 
 HW = HardwareConfig()
 S = 4096 * 4096 * 2
@@ -125,3 +125,14 @@ def test_verify_counts_what_dtensor_runs() -> None:
                                                                "all_to_all(dp)"]
     plain = {**row, "collectives": ["all_gather(dp)"]}
     assert dtensor_collectives(plain, (8, 8), ("dp", "tp")) == ["all_gather(dp)"]
+
+
+def test_verify_keeps_a_flattened_collective_where_fsdp2_made_the_mesh() -> None:
+    """DTensor merges the per-dim all-reduces of ``PP -> RR`` into one over ``dp+tp`` only
+    when a flattened ``dp_tp`` mesh exists (FSDP2 makes one for a unit's shard dims)."""
+    row = {"shape": [], "dtype": "float32", "src_placement": "PP", "dst_placement": "RR",
+           "collectives": ["all_reduce(dp+tp)"]}
+    assert dtensor_collectives(row, (2, 2), ("dp", "tp")) == ["all_reduce(dp)",
+                                                             "all_reduce(tp)"]
+    assert dtensor_collectives(row, (2, 2), ("dp", "tp"),
+                               [frozenset({"dp", "tp"})]) == ["all_reduce(dp+tp)"]

@@ -1,0 +1,58 @@
+"""The applied path's collective record (pipeline/verify/applied.py): the loss's traced
+nodes and the named differences, on small hand-made inputs with values worked out by
+hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.core.ir import IRNode
+from pipeline.verify.applied import LOSS_REASON, loss_region, unplanned_collectives
+
+
+def _node(idx: int, name: str, phase: str, module_path: str, refs: list[int],
+          kind: str = "call_function") -> IRNode:
+    fields: dict[str, Any] = {"role": "activation", "fqn": None, "layer": None,
+                              "output_desc": None}
+    return IRNode(idx=idx, name=name, kind=kind, target=f"aten.{name}.default", args=[],
+                  kwargs={}, outputs=[], tuple_output=False, phase=phase,
+                  module_path=module_path, refs=refs, **fields)
+
+
+def test_loss_region_is_the_roots_tail_and_the_backward_before_any_submodule() -> None:
+    nodes = [
+        _node(0, "tokens", "fwd", "", [], kind="placeholder"),
+        _node(1, "cast", "fwd", "", [0]),                 # root op before the layers
+        _node(2, "mm", "fwd", "layers.0", [1]),
+        _node(3, "log_softmax", "fwd", "", [2]),
+        _node(4, "nll_loss_forward", "fwd", "", [3]),
+        _node(5, "nll_loss_backward", "bwd", "", [4]),
+        _node(6, "log_softmax_backward", "bwd", "", [5]),
+        _node(7, "mm_backward", "bwd", "layers.0", [6]),
+        _node(8, "add", "bwd", "", [7]),                 # a residual gradient sum
+    ]
+    assert loss_region(nodes) == {"log_softmax", "nll_loss_forward", "nll_loss_backward",
+                                  "log_softmax_backward"}
+
+
+def test_the_loss_difference_is_named_and_nothing_is_left() -> None:
+    # toy at mesh 4: 9 gathers and 5 reduce-scatters of FSDP2 on both sides; the plan
+    # gathers log-probabilities and labels (2), the step all-reduces its loss (2)
+    counted = {"all_gather(dp)": 9, "all_reduce(dp)": 2, "reduce_scatter(dp)": 5}
+    planned = {"all_gather(dp)": 11, "reduce_scatter(dp)": 5}
+    entries, rest = unplanned_collectives(counted, planned, {"all_reduce(dp)": 2},
+                                          {"all_gather(dp)": 2})
+    assert entries == [{"cause": "loss", "counted": {"all_reduce(dp)": 2},
+                        "planned": {"all_gather(dp)": 2}, "reason": LOSS_REASON}]
+    assert rest == {}
+
+
+def test_a_difference_outside_the_loss_is_left_unexplained() -> None:
+    # the same loss on both sides (no entry); one extra gather over tp and one planned
+    # reduce-scatter over tp not issued
+    counted = {"all_gather(tp)": 3, "all_reduce(dp)": 2}
+    planned = {"all_gather(tp)": 2, "all_reduce(dp)": 2, "reduce_scatter(tp)": 1}
+    entries, rest = unplanned_collectives(counted, planned, {"all_reduce(dp)": 2},
+                                          {"all_reduce(dp)": 2})
+    assert entries == []
+    assert rest == {"all_gather(tp)": 1, "reduce_scatter(tp)": -1}
