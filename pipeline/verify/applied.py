@@ -220,7 +220,9 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
     Every edge FSDP2 does not run is DTensor's ``redistribute``: its collectives are
     :func:`dtensor_collectives` of the row, one over a flattened group only where
     ``flattened`` (the groups of mesh dims FSDP2 flattened into one mesh: a unit's
-    shard dims, its replicate dims) has that group."""
+    shard dims, its replicate dims) has that group; a weight's edge as many times as
+    the plan runs it (``times`` 2: DTensor saves the stored weight for the backward op
+    and redistributes it again there)."""
     phase = {n.name: n.phase for n in nodes}
     region = loss_region(nodes)
     buckets: set[tuple[str, str, str, str]] = set()
@@ -246,8 +248,8 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
         for name in names:
             if unit is not None and (data_dims is None or _dims(name) <= set(data_dims[fqn])):
                 buckets.update((unit, name, kind, w) for w in when)
-            else:
-                activations[name] += 1
+            else:  # a weight DTensor redistributes again for its backward: ``times``
+                activations[name] += int(row.get("times") or 1) if kind == "weight" else 1
     for _, name, _, _ in buckets:
         params[name] += 1
     return (dict(sorted(params.items())), dict(sorted(activations.items())),
