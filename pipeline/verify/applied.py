@@ -26,8 +26,9 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["LOSS_REASON", "applied_planned", "applied_rank", "dtensor_collectives",
-           "edge_parameter", "loss_region", "unplanned_collectives"]
+__all__ = ["HSDP_REASON", "LOSS_REASON", "applied_planned", "applied_rank",
+           "dtensor_collectives", "edge_parameter", "hsdp_gradient_entry", "loss_region",
+           "unplanned_collectives"]
 
 
 def applied_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
@@ -194,10 +195,13 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
                     units: Mapping[str, str | None],
                     data_dims: Mapping[str, Sequence[str]] | None = None,
                     flattened: Collection[frozenset[str]] = ()
-                    ) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+                    ) -> tuple[dict[str, int], dict[str, int], dict[str, int],
+                               dict[str, dict[str, int]]]:
     """The plan's collectives as the applied step issues them: (parameter collectives,
-    activation collectives, loss collectives), each ``{kind(mesh dims): count}``; the
-    loss's are the edges into :func:`loss_region` and into the loss output.
+    activation collectives, loss collectives), each ``{kind(mesh dims): count}``, and
+    the gradient buckets per unit (``{unit: {kind(mesh dims): count}}``, a part of the
+    parameter collectives); the loss's are the edges into :func:`loss_region` and into
+    the loss output.
 
     A weight or gradient edge of a parameter FSDP2 manages (``units``: ``{fqn: unit}``)
     is one member of its unit's bucket: FSDP2 issues one collective per (unit, kind,
@@ -250,10 +254,13 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
                 buckets.update((unit, name, kind, w) for w in when)
             else:  # a weight DTensor redistributes again for its backward: ``times``
                 activations[name] += int(row.get("times") or 1) if kind == "weight" else 1
-    for _, name, _, _ in buckets:
+    grads: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for unit, name, kind, _ in buckets:
         params[name] += 1
+        if kind == "grad":
+            grads[unit][name] += 1
     return (dict(sorted(params.items())), dict(sorted(activations.items())),
-            dict(sorted(loss.items())))
+            dict(sorted(loss.items())), {u: dict(sorted(c.items())) for u, c in grads.items()})
 
 
 #: Why the loss's collectives differ (the ``loss`` entry of ``unplanned``).
@@ -267,24 +274,53 @@ LOSS_REASON = (
     "the cost model does not price")
 
 
+#: Why an HSDP unit's gradient collectives differ (the ``hsdp_gradient`` entry).
+HSDP_REASON = (
+    "FSDP2 reduces an HSDP unit's gradients with one reduce-scatter over its shard dims "
+    "and one all-reduce over its replicate dims (foreach_reduce, torch/distributed/fsdp/"
+    "_fully_shard/_fsdp_collectives.py); the plan's gradient edges to the stored "
+    "placement are priced as DTensor would run them over the flattened data dims, so "
+    "the cost model charges other collectives than the step issues")
+
+
+def hsdp_gradient_entry(units: Mapping[str, Mapping[str, Any]],
+                        grad_buckets: Mapping[str, Mapping[str, int]]
+                        ) -> tuple[dict[str, int], dict[str, int]]:
+    """(what FSDP2 issues, what the plan lists) for the gradients of the units with both
+    shard and replicate dims (``units``: the report's ``{unit: {"shard", "replicate"}}``;
+    ``grad_buckets`` from :func:`applied_planned`): per such unit, one
+    ``reduce_scatter(shard dims)`` and one ``all_reduce(replicate dims)`` (each group a
+    flattened mesh when it has several dims) beside the unit's planned gradient
+    buckets."""
+    counted: collections.Counter[str] = collections.Counter()
+    planned: collections.Counter[str] = collections.Counter()
+    for unit, info in units.items():
+        if info["shard"] and info["replicate"]:
+            counted[f"reduce_scatter({'+'.join(info['shard'])})"] += 1
+            counted[f"all_reduce({'+'.join(info['replicate'])})"] += 1
+            planned.update(grad_buckets.get(unit, {}))
+    return dict(sorted(counted.items())), dict(sorted(planned.items()))
+
+
 def unplanned_collectives(counted: Mapping[str, int], planned: Mapping[str, int],
-                          counted_loss: Mapping[str, int], planned_loss: Mapping[str, int]
+                          causes: Sequence[tuple[str, Mapping[str, int], Mapping[str, int],
+                                                 str]]
                           ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """(the named differences between the applied step's collectives and the plan's,
     what is left unexplained).
 
-    An entry is ``{"cause", "counted", "planned", "reason"}``: the collectives the
-    applied step issues for that cause beside those the plan lists for it. The one
-    cause today is ``loss`` (:data:`LOSS_REASON`): the collectives the root module's
-    own ops issue (:class:`pipeline.apply.CollectiveCounter` ``root_counts``) beside the
-    plan's edges into the loss (:func:`loss_region`), listed when they differ. The
-    rest is ``counted - planned`` less every entry's ``counted - planned``, per
-    ``kind(mesh dims)``, zeros left out: empty when every difference is named."""
-    entries: list[dict[str, Any]] = []
-    if dict(counted_loss) != dict(planned_loss):
-        entries.append({"cause": "loss", "counted": dict(sorted(counted_loss.items())),
-                        "planned": dict(sorted(planned_loss.items())),
-                        "reason": LOSS_REASON})
+    ``causes``: ``(cause, counted, planned, reason)``, the collectives the applied step
+    issues for one cause beside those the plan lists for it; an entry
+    ``{"cause", "counted", "planned", "reason"}`` for each that differs. The causes
+    today: ``loss`` (:data:`LOSS_REASON`: the collectives the root module's own ops
+    issue, :class:`pipeline.apply.CollectiveCounter` ``root_counts``, beside the
+    plan's edges into the loss, :func:`loss_region`) and ``hsdp_gradient``
+    (:data:`HSDP_REASON`, :func:`hsdp_gradient_entry`). The rest is ``counted -
+    planned`` less every entry's ``counted - planned``, per ``kind(mesh dims)``, zeros
+    left out: empty when every difference is named."""
+    entries = [{"cause": cause, "counted": dict(sorted(c.items())),
+                "planned": dict(sorted(p.items())), "reason": reason}
+               for cause, c, p, reason in causes if dict(c) != dict(p)]
     rest: collections.Counter[str] = collections.Counter()
     rest.update(counted)
     rest.subtract(planned)

@@ -305,7 +305,13 @@ def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir
     ``collectives_explained`` (every difference is a named entry of ``unplanned``, with
     its reason, and nothing is left in ``unexplained``:
     :func:`pipeline.verify.applied.unplanned_collectives`)."""
-    from pipeline.verify.applied import applied_planned, unplanned_collectives
+    from pipeline.verify.applied import (
+        HSDP_REASON,
+        LOSS_REASON,
+        applied_planned,
+        hsdp_gradient_entry,
+        unplanned_collectives,
+    )
 
     parts = [r.get("applied", {"error": "no applied result"}) for r in ranks]
     errors = [a["error"] for a in parts if "error" in a]
@@ -329,7 +335,7 @@ def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir
     # (torch/distributed/fsdp/_fully_shard/_fsdp_init.py, _get_mesh_info_from_named_dims)
     flattened = {frozenset(u[k]) for u in r0["report"]["units"].values()
                  for k in ("shard", "replicate") if len(u[k]) > 1}
-    planned_params, planned_acts, planned_loss = applied_planned(
+    planned_params, planned_acts, planned_loss, grad_buckets = applied_planned(
         rows, nodes, plan, units, data_dims, flattened)
     planned: collections.Counter[str] = collections.Counter()
     for part in (planned_params, planned_acts, planned_loss):
@@ -337,8 +343,14 @@ def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir
     counted = r0["collectives"]
     same = all(a["collectives"] == counted and a["loss_collectives"] == r0["loss_collectives"]
                for a in parts)
-    unplanned, unexplained = unplanned_collectives(counted, planned, r0["loss_collectives"],
-                                                   planned_loss)
+    # the units FSDP2 reduces gradients for: those some parameter belongs to (the root
+    # unit of a model whose parameters all lie in other units manages none)
+    owning = {v["unit"] for v in r0["report"]["parameters"].values()}
+    hsdp = hsdp_gradient_entry({u: v for u, v in r0["report"]["units"].items()
+                                if u in owning}, grad_buckets)
+    unplanned, unexplained = unplanned_collectives(counted, planned, [
+        ("loss", r0["loss_collectives"], planned_loss, LOSS_REASON),
+        ("hsdp_gradient", *hsdp, HSDP_REASON)])
     return {
         "ok": bool(numbers_ok and shapes_ok),
         "checks": {"loss_and_grads": bool(numbers_ok), "local_shapes": bool(shapes_ok),

@@ -200,6 +200,17 @@ def test_recipe_plans_applied_match(results: Path, mesh: str, recipe: str) -> No
         rs = [p for p in plan["parameters"] if p["placement"] == "RS(0)"]
         assert rs and all(applied["placements"][p["fqn"]]["applied"] == "RS(0) on dp,tp"
                           for p in rs)
+        if len(rs) == len(plan["parameters"]):
+            # 5 HSDP units (2 layers, tok_embeddings, norm, output): a gather over tp in
+            # forward each and again in backward but the embedding's (9); a gradient
+            # reduce-scatter over tp and all-reduce over dp each (5 + 5); the loss's
+            # partial sum all-reduced over dp and over tp, forward and backward
+            coll = applied["collectives"]
+            assert coll["counted"] == {"all_gather(tp)": 9, "all_reduce(dp)": 5 + 2,
+                                       "all_reduce(tp)": 2, "reduce_scatter(tp)": 5}
+            assert [(e["cause"], e["counted"]) for e in coll["unplanned"]] == [
+                ("hsdp_gradient", {"all_reduce(dp)": 5, "reduce_scatter(tp)": 5})]
+            assert coll["unexplained"] == {} and applied["checks"]["collectives_explained"]
 
 
 #: The toy at dim 128 (the sweep of docs/results/predicted-vs-measured.md): at 2x2 the

@@ -7,7 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.core.ir import IRNode
-from pipeline.verify.applied import LOSS_REASON, loss_region, unplanned_collectives
+from pipeline.verify.applied import (
+    LOSS_REASON,
+    hsdp_gradient_entry,
+    loss_region,
+    unplanned_collectives,
+)
 
 
 def _node(idx: int, name: str, phase: str, module_path: str, refs: list[int],
@@ -40,8 +45,8 @@ def test_the_loss_difference_is_named_and_nothing_is_left() -> None:
     # gathers log-probabilities and labels (2), the step all-reduces its loss (2)
     counted = {"all_gather(dp)": 9, "all_reduce(dp)": 2, "reduce_scatter(dp)": 5}
     planned = {"all_gather(dp)": 11, "reduce_scatter(dp)": 5}
-    entries, rest = unplanned_collectives(counted, planned, {"all_reduce(dp)": 2},
-                                          {"all_gather(dp)": 2})
+    entries, rest = unplanned_collectives(counted, planned, [
+        ("loss", {"all_reduce(dp)": 2}, {"all_gather(dp)": 2}, LOSS_REASON)])
     assert entries == [{"cause": "loss", "counted": {"all_reduce(dp)": 2},
                         "planned": {"all_gather(dp)": 2}, "reason": LOSS_REASON}]
     assert rest == {}
@@ -52,7 +57,18 @@ def test_a_difference_outside_the_loss_is_left_unexplained() -> None:
     # reduce-scatter over tp not issued
     counted = {"all_gather(tp)": 3, "all_reduce(dp)": 2}
     planned = {"all_gather(tp)": 2, "all_reduce(dp)": 2, "reduce_scatter(tp)": 1}
-    entries, rest = unplanned_collectives(counted, planned, {"all_reduce(dp)": 2},
-                                          {"all_reduce(dp)": 2})
+    entries, rest = unplanned_collectives(counted, planned, [
+        ("loss", {"all_reduce(dp)": 2}, {"all_reduce(dp)": 2}, LOSS_REASON)])
     assert entries == []
     assert rest == {"all_gather(tp)": 1, "reduce_scatter(tp)": -1}
+
+
+def test_an_hsdp_units_gradient_is_one_reduce_scatter_and_one_all_reduce() -> None:
+    units = {"layers.0": {"shard": ["tp"], "replicate": ["dp"]},
+             "norm": {"shard": ["cp", "tp"], "replicate": ["dp"]},
+             "output": {"shard": ["dp", "tp"], "replicate": []}}  # FSDP: not HSDP
+    buckets = {"layers.0": {"reduce_scatter(dp+tp)": 1}, "norm": {"reduce_scatter(dp+tp)": 1},
+               "output": {"reduce_scatter(dp+tp)": 1}}
+    assert hsdp_gradient_entry(units, buckets) == (
+        {"all_reduce(dp)": 2, "reduce_scatter(cp+tp)": 1, "reduce_scatter(tp)": 1},
+        {"reduce_scatter(dp+tp)": 2})
