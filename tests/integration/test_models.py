@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -36,6 +37,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from fixtures import log_job
 
 ROOT = Path(__file__).resolve().parents[2]
 MESHES = ["8", "2x4", "2x4x8"]
@@ -125,8 +127,10 @@ class ModelJobs:
     def _run(self, key: str, argv: list[str], cwd: Path) -> dict[str, Any]:
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         env = dict(os.environ, PYTHONHASHSEED="1", PYTHONPATH=path, PIPELINE_PROGRESS="0")
+        start = time.perf_counter()
         proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=JOB_TIMEOUT)
+        log_job(f"models:{key}", time.perf_counter() - start)
         if proc.returncode != 0:
             raise AssertionError(f"job {key} failed (exit {proc.returncode}):\n"
                                  f"{proc.stderr[-4000:]}")

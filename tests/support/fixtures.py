@@ -149,6 +149,29 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+#: Where each background job made in this test run is logged, one JSON line (key, wall
+#: and CPU seconds, the xdist worker): ``PIPELINE_TEST_JOBS_LOG``, set by ``.ci/run``,
+#: which prints the slowest beside pytest's ``--durations`` (the jobs' time is spent in
+#: the background, so no test's duration shows it). Unset: no log.
+JOBS_LOG_ENV = "PIPELINE_TEST_JOBS_LOG"
+
+
+def log_job(key: str, seconds: float, cpu_s: float | None = None) -> None:
+    """Append one job to the jobs log (:data:`JOBS_LOG_ENV`) when one is set."""
+    path = os.environ.get(JOBS_LOG_ENV)
+    if path:
+        line = json.dumps({"key": key, "seconds": round(seconds, 2),
+                           "cpu_s": None if cpu_s is None else round(cpu_s, 2),
+                           "worker": os.environ.get("PYTEST_XDIST_WORKER", "")})
+        with open(path, "a") as fh:  # one short write per line: O_APPEND keeps lines whole
+            fh.write(line + "\n")
+
+
+def _logged(result: JobResult) -> JobResult:
+    log_job(result.key, result.seconds, result.cpu_s)
+    return result
+
+
 def child_env(seed: str) -> dict[str, str]:
     """The environment of a background job: this process's, with this checkout first on
     ``PYTHONPATH`` (so the job imports the code under test), ``PYTHONHASHSEED=seed``,
@@ -189,6 +212,7 @@ class JobResult:
     stdout: str
     stderr: str
     seconds: float
+    cpu_s: float | None = None  # user + system CPU seconds (None: not measured)
 
     def tagged(self, tag: str) -> Any:
         """The JSON printed after ``tag`` on stdout."""
@@ -338,7 +362,7 @@ class Jobs:
             raise AssertionError(
                 f"job {key} failed (exit {proc.returncode}) after {seconds:.0f} s: "
                 f"{' '.join(argv[:10])}\n--- stderr (tail) ---\n{stderr[-4000:]}")
-        return JobResult(key, stdout, stderr, seconds)
+        return _logged(JobResult(key, stdout, stderr, seconds))
 
     def _run_warm(self, key: str, argv: list[str], cwd: Path) -> JobResult:
         """``argv`` (``python -c script *args``) in this worker's warm interpreter."""
@@ -359,7 +383,7 @@ class Jobs:
             raise AssertionError(
                 f"job {key} failed (exit {out.returncode}) after {seconds:.0f} s: python -c "
                 f"<script> {' '.join(argv[3:11])}\n--- stderr (tail) ---\n{out.stderr[-4000:]}")
-        return JobResult(key, out.stdout, out.stderr, seconds)
+        return _logged(JobResult(key, out.stdout, out.stderr, seconds, out.cpu_s))
 
     def close(self) -> None:
         """Drop the jobs not started; stop the ones still running (a test failed early)."""

@@ -8,7 +8,9 @@ importing torch, Hydra and the stages takes a fresh interpreter.
 
 Protocol, one JSON line each way: the request ``{"script", "args", "cwd", "stdout",
 "stderr"}``; the answers ``{"pid"}`` when the child has started, then ``{"rc"}``, its
-exit status (negative: killed by that signal), when it has ended. One job at a time.
+exit status (negative: killed by that signal), and ``"cpu"``, the CPU seconds it used
+(user + system, its own children's included once they were waited for), when it has
+ended. One job at a time.
 The warm process starts no thread before it forks (importing torch starts none).
 """
 
@@ -49,8 +51,9 @@ for line in sys.stdin:
         job(req)
         sys.exit(0)
     print(json.dumps({"pid": pid}), flush=True)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+    _, status, usage = os.wait4(pid, 0)
+    print(json.dumps({"rc": os.waitstatus_to_exitcode(status),
+                      "cpu": usage.ru_utime + usage.ru_stime}), flush=True)
 """
 
 
@@ -62,6 +65,7 @@ class Outcome:
     stdout: str
     stderr: str
     timed_out: bool
+    cpu_s: float | None = None  # user + system CPU seconds of the job (None: killed)
 
 
 class WarmPython:
@@ -102,12 +106,13 @@ class WarmPython:
         timer = threading.Timer(timeout, kill)
         timer.start()
         try:
-            returncode = self._answer()["rc"]
+            answer = self._answer()
+            returncode, cpu = answer["rc"], answer.get("cpu")
         finally:
             timer.cancel()
             with self._lock:
                 self._pid = None
-        return Outcome(returncode, out.read_text(), err.read_text(), timed_out.is_set())
+        return Outcome(returncode, out.read_text(), err.read_text(), timed_out.is_set(), cpu)
 
     def _answer(self) -> dict:
         assert self._proc.stdout is not None
