@@ -99,14 +99,14 @@ _JOB_SCRIPT = textwrap.dedent("""
         for lazy in ("true", "false"):
             cfg = load_resolved(base + [f"mesh={mesh}", f"lazy_costs={lazy}",
                                         f"results_dir={results_dir}"])
-            run_pipeline(cfg)
+            run_pipeline(cfg, report=False)  # no test reads a report (1-2 s of CPU each)
             out[f"{mesh}-{'lazy' if lazy == 'true' else 'eager'}"] = {
                 k: str(v) for k, v in vars(stage_dirs(cfg)).items()}
     for key, overrides, stages in extra:
         cfg = load_resolved(base + overrides + [f"results_dir={results_dir}"])
         dirs = stage_dirs(cfg)
         if stages == "all":
-            run_pipeline(cfg)
+            run_pipeline(cfg, report=False)
         else:
             run_stage("trace", cfg, dirs)
             run_stage("topology", cfg, dirs)
