@@ -28,7 +28,7 @@ from typing import Any
 
 __all__ = ["HSDP_REASON", "LOSS_REASON", "applied_planned", "applied_rank",
            "dtensor_collectives", "edge_parameter", "hsdp_gradient_entry", "loss_region",
-           "unplanned_collectives"]
+           "pair_gradient_reductions", "unplanned_collectives"]
 
 
 def applied_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
@@ -226,13 +226,31 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
     ``flattened`` (the groups of mesh dims FSDP2 flattened into one mesh: a unit's
     shard dims, its replicate dims) has that group; a weight's edge as many times as
     the plan runs it (``times`` 2: DTensor saves the stored weight for the backward op
-    and redistributes it again there)."""
+    and redistributes it again there).
+
+    A gradient DTensor reduces (its parameter in no FSDP2 unit, or the collective on a
+    mesh dim outside the unit's) by a ``reduce_scatter(d)`` followed by an
+    ``all_gather(d)`` of the same gradient on the same mesh dims (a ``P -> S(0)`` edge,
+    then, often after the cast to the reduce dtype, ``S(0) -> R``) counts as one
+    ``all_reduce(d)``: that pair is the ring all-reduce, reduce-scatter then all-gather
+    of one buffer (Patarasuk & Yuan 2009; the nccl-tests bus bandwidth factor ``2(n-1)/n``
+    = the two passes' ``(n-1)/n`` each), and the cost model prices it so exactly
+    (pipeline/costmodel/comm.py: ``all_reduce == reduce_scatter + all_gather``, latency
+    and volume), while DTensor reduces a ``Partial`` gradient to its ``Replicate``
+    parameter with one ``all_reduce`` (``Partial._reduce_value``,
+    torch/distributed/tensor/placement_types.py; the redistribution of the gradient to
+    the parameter's placement, :func:`pipeline.apply.parallelize`). The plan's pair moves
+    the reduce-scatter in the gradient's compute dtype and the all-gather in the reduce
+    dtype; the counts are the same collective, the bytes equal where the two dtypes are
+    (verify runs float32). See :func:`pair_gradient_reductions`."""
     phase = {n.name: n.phase for n in nodes}
     region = loss_region(nodes)
     buckets: set[tuple[str, str, str, str]] = set()
     params: collections.Counter[str] = collections.Counter()
     activations: collections.Counter[str] = collections.Counter()
     loss: collections.Counter[str] = collections.Counter()
+    index = {n.name: n.idx for n in nodes}
+    dtensor_grads: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
     for row in rows:
         names = list(row["collectives"] or ())
         if not names:
@@ -252,8 +270,12 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
         for name in names:
             if unit is not None and (data_dims is None or _dims(name) <= set(data_dims[fqn])):
                 buckets.update((unit, name, kind, w) for w in when)
+            elif kind == "grad" and fqn is not None:  # paired below
+                dtensor_grads[fqn].append((index.get(str(row["producer_name"]), -1), name))
             else:  # a weight DTensor redistributes again for its backward: ``times``
                 activations[name] += int(row.get("times") or 1) if kind == "weight" else 1
+    for fqn in sorted(dtensor_grads):
+        activations.update(pair_gradient_reductions(dtensor_grads[fqn]))
     grads: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for unit, name, kind, _ in buckets:
         params[name] += 1
@@ -261,6 +283,29 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
             grads[unit][name] += 1
     return (dict(sorted(params.items())), dict(sorted(activations.items())),
             dict(sorted(loss.items())), {u: dict(sorted(c.items())) for u, c in grads.items()})
+
+
+def pair_gradient_reductions(steps: Sequence[tuple[int, str]]) -> list[str]:
+    """One gradient's collectives as DTensor issues them: ``steps`` are ``(producer
+    node index, kind(mesh dims))`` of the plan's edges of that gradient; each
+    ``reduce_scatter(d)`` followed (a later producer) by an ``all_gather(d)`` on the same
+    dims ``d`` is one ``all_reduce(d)`` (the ring all-reduce is that pair:
+    :func:`applied_planned`); every other collective is itself. Deterministic: the
+    steps in producer order, each all-gather paired with the earliest unpaired
+    reduce-scatter before it."""
+    out: list[str] = []
+    open_rs: dict[str, list[int]] = collections.defaultdict(list)
+    ordered = sorted(enumerate(steps), key=lambda e: (e[1][0], e[0]))
+    for _, (_producer, name) in ordered:
+        dims = name[name.index("("):]
+        if name.startswith("reduce_scatter("):
+            open_rs[dims].append(len(out))
+            out.append(name)
+        elif name.startswith("all_gather(") and open_rs[dims]:
+            out[open_rs[dims].pop(0)] = "all_reduce" + dims
+        else:
+            out.append(name)
+    return out
 
 
 #: Why the loss's collectives differ (the ``loss`` entry of ``unplanned``).

@@ -11,6 +11,7 @@ from pipeline.verify.applied import (
     LOSS_REASON,
     hsdp_gradient_entry,
     loss_region,
+    pair_gradient_reductions,
     unplanned_collectives,
 )
 
@@ -72,3 +73,22 @@ def test_an_hsdp_units_gradient_is_one_reduce_scatter_and_one_all_reduce() -> No
     assert hsdp_gradient_entry(units, buckets) == (
         {"all_reduce(dp)": 2, "reduce_scatter(cp+tp)": 1, "reduce_scatter(tp)": 1},
         {"reduce_scatter(dp+tp)": 2})
+
+
+def test_a_gradient_reduce_scattered_then_gathered_is_one_all_reduce() -> None:
+    # toy ddp at 2x2: a weight gradient P -> S(0) on dp and tp (produced by mm_15, node
+    # 40), cast, then S(0) -> R on both (produced by the cast, node 90): per mesh dim a
+    # reduce-scatter then an all-gather, the ring all-reduce (given out of order)
+    steps = [(90, "all_gather(dp)"), (40, "reduce_scatter(dp)"), (90, "all_gather(tp)"),
+             (40, "reduce_scatter(tp)")]
+    assert sorted(pair_gradient_reductions(steps)) == ["all_reduce(dp)", "all_reduce(tp)"]
+
+
+def test_only_a_gather_after_a_reduce_scatter_on_the_same_dims_pairs() -> None:
+    # a gather before the reduce-scatter, or on other dims, is not a ring all-reduce;
+    # the flattened dims pair only with the flattened dims
+    steps = [(1, "all_gather(dp)"), (2, "reduce_scatter(dp)"), (3, "all_gather(tp)"),
+             (4, "reduce_scatter(dp+tp)"), (5, "all_gather(dp+tp)"), (6, "all_reduce(tp)")]
+    assert pair_gradient_reductions(steps) == [
+        "all_gather(dp)", "reduce_scatter(dp)", "all_gather(tp)", "all_reduce(dp+tp)",
+        "all_reduce(tp)"]
