@@ -26,8 +26,9 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["HSDP_REASON", "LOSS_REASON", "applied_planned", "applied_rank",
-           "dtensor_collectives", "edge_parameter", "hsdp_gradient_entry", "loss_region",
+__all__ = ["EMBEDDING_REASON", "HSDP_REASON", "LOSS_REASON", "applied_planned", "applied_rank",
+           "dtensor_collectives", "edge_parameter", "embedding_backward_entry",
+           "hsdp_gradient_entry", "loss_region",
            "pair_gradient_reductions", "unplanned_collectives"]
 
 
@@ -72,11 +73,14 @@ def applied_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
         loss.backward()
     counted = dict(sorted(counter.counts.items()))
     counted_loss = dict(sorted(counter.root_counts.items()))
+    by_module = {m: {ph: dict(sorted(c.items())) for ph, c in sorted(v.items())}
+                 for m, v in sorted(counter.module_counts.items())}
     value = loss.full_tensor() if isinstance(loss, DTensor) else loss
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
              for n, p in model.named_parameters() if p.grad is not None}
     out: dict[str, Any] = {
-        "collectives": counted, "loss_collectives": counted_loss, "placements": placements,
+        "collectives": counted, "loss_collectives": counted_loss,
+        "module_collectives": by_module, "placements": placements,
         "parameter_bytes": int(local_bytes), "predicted_parameter_bytes": int(predicted),
         "report": report.to_json() if rank == 0 else None}
     if rank == 0:
@@ -306,6 +310,60 @@ def pair_gradient_reductions(steps: Sequence[tuple[int, str]]) -> list[str]:
         else:
             out.append(name)
     return out
+
+
+#: Why an embedding's backward collectives differ (the ``embedding_backward`` entry).
+EMBEDDING_REASON = (
+    "DTensor runs the embedding's backward by its own rules, not the plan's: "
+    "embedding_dense_backward on batch-sharded output gradient and indices gives a "
+    "Partial weight gradient, reduced to the parameter's placement (an all-reduce "
+    "where it is replicated; torch/distributed/tensor/_ops/_embedding_ops.py, "
+    "embedding_dense_backward_strategy), where the plan gathers the output gradient "
+    "and the indices and computes the gradient replicated; and the backward of the "
+    "output's redistribution from the masked partial (a row-wise, vocabulary-sharded "
+    "table) all-gathers the output gradient (Redistribute.backward turns a Partial "
+    "source into Replicate, torch/distributed/tensor/_redistribute.py), where the "
+    "plan keeps it sharded and reduce-scatters the weight gradient")
+
+
+def embedding_backward_entry(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any],
+                             plan: Any, units: Mapping[str, str | None],
+                             data_dims: Mapping[str, Sequence[str]],
+                             flattened: Collection[frozenset[str]],
+                             module_counts: Mapping[str, Mapping[str, Mapping[str, int]]]
+                             ) -> tuple[dict[str, int], dict[str, int]]:
+    """(what the applied step issues, what the plan lists) for the backward of each
+    embedding (a module whose traced backward runs ``embedding_dense_backward``):
+    counted, the DTensor collectives the module's backward issues
+    (:class:`pipeline.apply.CollectiveCounter` ``module_counts``: the backward op, the
+    gradient's redistribution to the parameter's placement, the backward of its output
+    hook's redistribution); planned, the plan's collectives on the edges into
+    ``embedding_dense_backward`` and from it to the gradient, those DTensor runs (an
+    FSDP2 unit's gradient collective over its data dims is the unit's bucket, counted
+    so on both sides, :func:`applied_planned`). :data:`EMBEDDING_REASON` says why they
+    differ. A collective either side attributes wrongly stays visible: the entry's
+    difference is taken out of the total one, and what it does not match is left in
+    ``unexplained``."""
+    embeds = {n.name: str(n.module_path) for n in nodes
+              if n.kind == "call_function" and n.phase == "bwd"
+              and str(n.target).startswith("aten.embedding_dense_backward")}
+    counted: collections.Counter[str] = collections.Counter()
+    planned: collections.Counter[str] = collections.Counter()
+    for module in sorted(set(embeds.values())):
+        counted.update(module_counts.get(module, {}).get("bwd", {}))
+    for row in rows:
+        if not row["collectives"] or (str(row["consumer_name"]) not in embeds
+                                      and str(row["producer_name"]) not in embeds):
+            continue
+        fqn, _ = edge_parameter(row, nodes, plan)
+        unit = units.get(fqn) if fqn is not None else None
+        if unit is None:
+            planned.update(dtensor_collectives(row, plan.mesh_shape, plan.mesh_names,
+                                               flattened))
+        else:
+            planned.update(n for n in row["collectives"]
+                           if not _dims(n) <= set(data_dims.get(fqn or "", ())))
+    return dict(sorted(counted.items())), dict(sorted(planned.items()))
 
 
 #: Why the loss's collectives differ (the ``loss`` entry of ``unplanned``).
