@@ -417,8 +417,9 @@ def unplanned_collectives(counted: Mapping[str, int], planned: Mapping[str, int]
     ``{"cause", "counted", "planned", "reason"}`` for each that differs. The causes
     today: ``loss`` (:data:`LOSS_REASON`: the collectives the root module's own ops
     issue, :class:`pipeline.apply.CollectiveCounter` ``root_counts``, beside the
-    plan's edges into the loss, :func:`loss_region`) and ``hsdp_gradient``
-    (:data:`HSDP_REASON`, :func:`hsdp_gradient_entry`). The rest is ``counted -
+    plan's edges into the loss, :func:`loss_region`), ``hsdp_gradient``
+    (:data:`HSDP_REASON`, :func:`hsdp_gradient_entry`) and ``embedding_backward``
+    (:data:`EMBEDDING_REASON`, :func:`embedding_backward_entry`). The rest is ``counted -
     planned`` less every entry's ``counted - planned``, per ``kind(mesh dims)``, zeros
     left out: empty when every difference is named."""
     entries = [{"cause": cause, "counted": dict(sorted(c.items())),
