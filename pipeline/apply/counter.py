@@ -17,6 +17,13 @@ outside every submodule, in forward and in backward (the loss of a training step
 ``log_softmax`` and ``nll_loss`` and their backward), told by CommDebugMode's module
 tracker (``advanced_module_tracker.name``: the root module's name has no dot; FSDP2's
 own ``c10d`` collectives, issued from the root unit's hooks, are not among them).
+
+``module_counts`` are the DTensor collectives (not FSDP2's ``c10d`` ones) each submodule
+issues, ``{module fqn: {"fwd" | "bwd": {kind(mesh dims): count}}}``, the module and the
+phase as the same tracker tells them (``advanced_module_tracker.name`` less the root's
+name, ``advanced_module_tracker.is_bw``): a module's backward includes the backward of
+the redistributions its forward hooks ran (the embedding's output redistributed to its
+layout).
 """
 
 from __future__ import annotations
@@ -85,6 +92,8 @@ class CollectiveCounter(CommDebugMode):
         self.rank_sets = _rank_sets(mesh, names)
         self.counts: collections.Counter[str] = collections.Counter()
         self.root_counts: collections.Counter[str] = collections.Counter()
+        self.module_counts: dict[str, dict[str, collections.Counter[str]]] = (
+            collections.defaultdict(lambda: collections.defaultdict(collections.Counter)))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
                            ) -> Any:
@@ -107,6 +116,9 @@ class CollectiveCounter(CommDebugMode):
         module = str(self.advanced_module_tracker.name)
         if packet not in C10D_COLLECTIVE_OPS and "." not in module and module != "Global":
             self.root_counts[f"{kind}({label})"] += 1
+        elif packet not in C10D_COLLECTIVE_OPS and "." in module:
+            phase = "bwd" if self.advanced_module_tracker.is_bw else "fwd"
+            self.module_counts[module.split(".", 1)[1]][phase][f"{kind}({label})"] += 1
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

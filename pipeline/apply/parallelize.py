@@ -79,7 +79,7 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pipeline.apply.layouts import gather_for_use, input_uses, layout_hooks, module_layouts
@@ -252,6 +252,10 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
     current = dict(model.named_parameters())
     params: dict[str, dict[str, Any]] = {}
     fallback: dict[str, str] = {}
+    # the meshes FSDP2 flattened a unit's shard dims into, {dims: mesh}, filled as units are
+    # made (the mesh of its sharded parameters; torch asks to keep them, not to slice the
+    # flattened dim from the root mesh)
+    flat_meshes: dict[tuple[str, ...], Any] = {}
     new: dict[str, Any] = {}
     owners: dict[str, list[tuple[Any, str]]] = {}
     for t in plan.parameters:
@@ -270,7 +274,7 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
         new[t.name] = param
         if why is not None:
             fallback[t.name] = why
-            param.register_hook(functools.partial(_to_placements, param))
+            param.register_hook(functools.partial(_to_placements, param, flat_meshes))
         params[t.name] = {
             "readings": list(readings[t.name]), "placement": t.placement,
             "dtensor": _text(placements), "shard": list(shard), "replicate": list(replicate),
@@ -326,6 +330,11 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
         managed.update(id(new[f]) for f in mine)
         units[module_name] = {"shard": list(shard), "replicate": list(replicate),
                               "parameters": mine}
+        flat = "_".join(shard)
+        for f in mine:  # FSDP2's sharded parameter lies on a mesh with the flattened dim
+            on = getattr(model.get_parameter(f), "device_mesh", None)
+            if len(shard) > 1 and on is not None and flat in (on.mesh_dim_names or ()):
+                flat_meshes[tuple(shard)] = on if on.ndim == 1 else on[flat]
         for f in members:
             if f not in mine:  # another data-parallel layout in the same unit: its leaf
                 leaf = f.rpartition(".")[0]
@@ -356,7 +365,7 @@ def parallelize(model: Any, plan: Plan, mesh: Any, *, nodes: Sequence[Any] | Non
         if params[fqn]["unit"] is not None and id(new[fqn]) not in managed:
             fallback[fqn] = "left outside every FSDP2 unit"
             params[fqn]["unit"] = None
-            new[fqn].register_hook(functools.partial(_to_placements, new[fqn]))
+            new[fqn].register_hook(functools.partial(_to_placements, new[fqn], flat_meshes))
     used = parameter_uses(plan, nodes)
     for fqn in fallback:
         want = plan.placements(used[fqn])
@@ -446,14 +455,46 @@ def _divide_replicated(mesh: Any, dims: tuple[int, ...], grad: Any) -> Any:
                               run_check=False, shape=grad.shape, stride=grad.stride())
 
 
-def _to_placements(param: Any, grad: Any) -> Any:
+def _to_placements(param: Any, flat_meshes: Mapping[tuple[str, ...], Any], grad: Any) -> Any:
     """Gradient hook of a parameter outside FSDP2: its gradient in its own placements
-    (a pending sum over the data dims becomes the all-reduce or reduce-scatter)."""
-    from torch.distributed.tensor import DTensor
+    (a pending sum over the data dims becomes the all-reduce or reduce-scatter).
 
-    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
-        return grad.redistribute(param.device_mesh, param.placements)
-    return grad
+    A gradient ``Partial`` (sum) on several mesh dims ``D`` that the parameter stores
+    ``Shard(k)`` on, each of them (``S(1)S(1)`` over ``dp, cp``, a row-sharded weight of
+    a context-parallel plan), is one reduce-scatter over the flattened group of ``D``
+    where FSDP2 made that group's mesh (``flat_meshes``: ``{a unit's shard dims: the
+    mesh}``, flattened by FSDP2 as ``mesh[dims]._flatten("_".join(dims))``,
+    torch/distributed/fsdp/_fully_shard/_fsdp_init.py), as the plan prices it
+    (``reduce_scatter(dp+cp)``). DTensor's own redistribute does not merge it: it
+    all-reduces over the inner dim and reduce-scatters over the outer one (the
+    nested shards of one tensor dim, torch/distributed/tensor/_redistribute.py). The
+    shards agree: ``Shard(k)`` over ``D`` in mesh order chunks dim ``k`` by the outer
+    dim, then each chunk by the inner, which is the chunk of the flattened rank (outer
+    major) when the dim divides evenly (required; otherwise DTensor's redistribute)."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    if not isinstance(grad, DTensor) or tuple(grad.placements) == tuple(param.placements):
+        return grad
+    mesh = param.device_mesh
+    names = mesh.mesh_dim_names or ()
+    dims = tuple(d for d, (g, p) in enumerate(zip(grad.placements, param.placements,
+                                                   strict=True)) if g != p)
+    want = {param.placements[d] for d in dims}
+    group = tuple(names[d] for d in dims) if names else ()
+    k = next(iter(want)).dim if len(want) == 1 and isinstance(next(iter(want)), Shard) \
+        else None
+    if (len(dims) > 1 and group in flat_meshes and k is not None
+            and all(isinstance(grad.placements[d], Partial)
+                    and grad.placements[d].reduce_op == "sum" for d in dims)
+            and sum(isinstance(p, Shard) and p.dim == k for p in param.placements)
+            == len(dims)
+            and grad.shape[k] % math.prod(mesh.shape[d] for d in dims) == 0):
+        flat = flat_meshes[group]
+        local = DTensor.from_local(grad.to_local(), flat, (Partial(),), run_check=False)
+        shard = local.redistribute(flat, (Shard(k),)).to_local()
+        return DTensor.from_local(shard, mesh, param.placements, run_check=False,
+                                  shape=grad.shape, stride=grad.stride())
+    return grad.redistribute(mesh, param.placements)
 
 
 def _wrap_forward(model: Any, uses: Sequence[tuple[Any, ...]], mesh: Any, dtensor: type

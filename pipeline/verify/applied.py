@@ -26,9 +26,10 @@ import math
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
-__all__ = ["HSDP_REASON", "LOSS_REASON", "applied_planned", "applied_rank",
-           "dtensor_collectives", "edge_parameter", "hsdp_gradient_entry", "loss_region",
-           "unplanned_collectives"]
+__all__ = ["EMBEDDING_REASON", "HSDP_REASON", "LOSS_REASON", "applied_planned", "applied_rank",
+           "dtensor_collectives", "edge_parameter", "embedding_backward_entry",
+           "hsdp_gradient_entry", "loss_region",
+           "pair_gradient_reductions", "unplanned_collectives"]
 
 
 def applied_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
@@ -72,11 +73,14 @@ def applied_rank(rank: int, job: dict[str, Any], mesh: Any) -> dict[str, Any]:
         loss.backward()
     counted = dict(sorted(counter.counts.items()))
     counted_loss = dict(sorted(counter.root_counts.items()))
+    by_module = {m: {ph: dict(sorted(c.items())) for ph, c in sorted(v.items())}
+                 for m, v in sorted(counter.module_counts.items())}
     value = loss.full_tensor() if isinstance(loss, DTensor) else loss
     grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
              for n, p in model.named_parameters() if p.grad is not None}
     out: dict[str, Any] = {
-        "collectives": counted, "loss_collectives": counted_loss, "placements": placements,
+        "collectives": counted, "loss_collectives": counted_loss,
+        "module_collectives": by_module, "placements": placements,
         "parameter_bytes": int(local_bytes), "predicted_parameter_bytes": int(predicted),
         "report": report.to_json() if rank == 0 else None}
     if rank == 0:
@@ -226,13 +230,31 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
     ``flattened`` (the groups of mesh dims FSDP2 flattened into one mesh: a unit's
     shard dims, its replicate dims) has that group; a weight's edge as many times as
     the plan runs it (``times`` 2: DTensor saves the stored weight for the backward op
-    and redistributes it again there)."""
+    and redistributes it again there).
+
+    A gradient DTensor reduces (its parameter in no FSDP2 unit, or the collective on a
+    mesh dim outside the unit's) by a ``reduce_scatter(d)`` followed by an
+    ``all_gather(d)`` of the same gradient on the same mesh dims (a ``P -> S(0)`` edge,
+    then, often after the cast to the reduce dtype, ``S(0) -> R``) counts as one
+    ``all_reduce(d)``: that pair is the ring all-reduce, reduce-scatter then all-gather
+    of one buffer (Patarasuk & Yuan 2009; the nccl-tests bus bandwidth factor ``2(n-1)/n``
+    = the two passes' ``(n-1)/n`` each), and the cost model prices it so exactly
+    (pipeline/costmodel/comm.py: ``all_reduce == reduce_scatter + all_gather``, latency
+    and volume), while DTensor reduces a ``Partial`` gradient to its ``Replicate``
+    parameter with one ``all_reduce`` (``Partial._reduce_value``,
+    torch/distributed/tensor/placement_types.py; the redistribution of the gradient to
+    the parameter's placement, :func:`pipeline.apply.parallelize`). The plan's pair moves
+    the reduce-scatter in the gradient's compute dtype and the all-gather in the reduce
+    dtype; the counts are the same collective, the bytes equal where the two dtypes are
+    (verify runs float32). See :func:`pair_gradient_reductions`."""
     phase = {n.name: n.phase for n in nodes}
     region = loss_region(nodes)
     buckets: set[tuple[str, str, str, str]] = set()
     params: collections.Counter[str] = collections.Counter()
     activations: collections.Counter[str] = collections.Counter()
     loss: collections.Counter[str] = collections.Counter()
+    index = {n.name: n.idx for n in nodes}
+    dtensor_grads: dict[str, list[tuple[int, str]]] = collections.defaultdict(list)
     for row in rows:
         names = list(row["collectives"] or ())
         if not names:
@@ -252,8 +274,12 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
         for name in names:
             if unit is not None and (data_dims is None or _dims(name) <= set(data_dims[fqn])):
                 buckets.update((unit, name, kind, w) for w in when)
+            elif kind == "grad" and fqn is not None:  # paired below
+                dtensor_grads[fqn].append((index.get(str(row["producer_name"]), -1), name))
             else:  # a weight DTensor redistributes again for its backward: ``times``
                 activations[name] += int(row.get("times") or 1) if kind == "weight" else 1
+    for fqn in sorted(dtensor_grads):
+        activations.update(pair_gradient_reductions(dtensor_grads[fqn]))
     grads: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for unit, name, kind, _ in buckets:
         params[name] += 1
@@ -261,6 +287,83 @@ def applied_planned(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any], pla
             grads[unit][name] += 1
     return (dict(sorted(params.items())), dict(sorted(activations.items())),
             dict(sorted(loss.items())), {u: dict(sorted(c.items())) for u, c in grads.items()})
+
+
+def pair_gradient_reductions(steps: Sequence[tuple[int, str]]) -> list[str]:
+    """One gradient's collectives as DTensor issues them: ``steps`` are ``(producer
+    node index, kind(mesh dims))`` of the plan's edges of that gradient; each
+    ``reduce_scatter(d)`` followed (a later producer) by an ``all_gather(d)`` on the same
+    dims ``d`` is one ``all_reduce(d)`` (the ring all-reduce is that pair:
+    :func:`applied_planned`); every other collective is itself. Deterministic: the
+    steps in producer order, each all-gather paired with the earliest unpaired
+    reduce-scatter before it."""
+    out: list[str] = []
+    open_rs: dict[str, list[int]] = collections.defaultdict(list)
+    ordered = sorted(enumerate(steps), key=lambda e: (e[1][0], e[0]))
+    for _, (_producer, name) in ordered:
+        dims = name[name.index("("):]
+        if name.startswith("reduce_scatter("):
+            open_rs[dims].append(len(out))
+            out.append(name)
+        elif name.startswith("all_gather(") and open_rs[dims]:
+            out[open_rs[dims].pop(0)] = "all_reduce" + dims
+        else:
+            out.append(name)
+    return out
+
+
+#: Why an embedding's backward collectives differ (the ``embedding_backward`` entry).
+EMBEDDING_REASON = (
+    "DTensor runs the embedding's backward by its own rules, not the plan's: "
+    "embedding_dense_backward on batch-sharded output gradient and indices gives a "
+    "Partial weight gradient, reduced to the parameter's placement (an all-reduce "
+    "where it is replicated; torch/distributed/tensor/_ops/_embedding_ops.py, "
+    "embedding_dense_backward_strategy), where the plan gathers the output gradient "
+    "and the indices and computes the gradient replicated; and the backward of the "
+    "output's redistribution from the masked partial (a row-wise, vocabulary-sharded "
+    "table) all-gathers the output gradient (Redistribute.backward turns a Partial "
+    "source into Replicate, torch/distributed/tensor/_redistribute.py), where the "
+    "plan keeps it sharded and reduce-scatters the weight gradient")
+
+
+def embedding_backward_entry(rows: Sequence[Mapping[str, Any]], nodes: Sequence[Any],
+                             plan: Any, units: Mapping[str, str | None],
+                             data_dims: Mapping[str, Sequence[str]],
+                             flattened: Collection[frozenset[str]],
+                             module_counts: Mapping[str, Mapping[str, Mapping[str, int]]]
+                             ) -> tuple[dict[str, int], dict[str, int]]:
+    """(what the applied step issues, what the plan lists) for the backward of each
+    embedding (a module whose traced backward runs ``embedding_dense_backward``):
+    counted, the DTensor collectives the module's backward issues
+    (:class:`pipeline.apply.CollectiveCounter` ``module_counts``: the backward op, the
+    gradient's redistribution to the parameter's placement, the backward of its output
+    hook's redistribution); planned, the plan's collectives on the edges into
+    ``embedding_dense_backward`` and from it to the gradient, those DTensor runs (an
+    FSDP2 unit's gradient collective over its data dims is the unit's bucket, counted
+    so on both sides, :func:`applied_planned`). :data:`EMBEDDING_REASON` says why they
+    differ. A collective either side attributes wrongly stays visible: the entry's
+    difference is taken out of the total one, and what it does not match is left in
+    ``unexplained``."""
+    embeds = {n.name: str(n.module_path) for n in nodes
+              if n.kind == "call_function" and n.phase == "bwd"
+              and str(n.target).startswith("aten.embedding_dense_backward")}
+    counted: collections.Counter[str] = collections.Counter()
+    planned: collections.Counter[str] = collections.Counter()
+    for module in sorted(set(embeds.values())):
+        counted.update(module_counts.get(module, {}).get("bwd", {}))
+    for row in rows:
+        if not row["collectives"] or (str(row["consumer_name"]) not in embeds
+                                      and str(row["producer_name"]) not in embeds):
+            continue
+        fqn, _ = edge_parameter(row, nodes, plan)
+        unit = units.get(fqn) if fqn is not None else None
+        if unit is None:
+            planned.update(dtensor_collectives(row, plan.mesh_shape, plan.mesh_names,
+                                               flattened))
+        else:
+            planned.update(n for n in row["collectives"]
+                           if not _dims(n) <= set(data_dims.get(fqn or "", ())))
+    return dict(sorted(counted.items())), dict(sorted(planned.items()))
 
 
 #: Why the loss's collectives differ (the ``loss`` entry of ``unplanned``).
@@ -314,8 +417,9 @@ def unplanned_collectives(counted: Mapping[str, int], planned: Mapping[str, int]
     ``{"cause", "counted", "planned", "reason"}`` for each that differs. The causes
     today: ``loss`` (:data:`LOSS_REASON`: the collectives the root module's own ops
     issue, :class:`pipeline.apply.CollectiveCounter` ``root_counts``, beside the
-    plan's edges into the loss, :func:`loss_region`) and ``hsdp_gradient``
-    (:data:`HSDP_REASON`, :func:`hsdp_gradient_entry`). The rest is ``counted -
+    plan's edges into the loss, :func:`loss_region`), ``hsdp_gradient``
+    (:data:`HSDP_REASON`, :func:`hsdp_gradient_entry`) and ``embedding_backward``
+    (:data:`EMBEDDING_REASON`, :func:`embedding_backward_entry`). The rest is ``counted -
     planned`` less every entry's ``counted - planned``, per ``kind(mesh dims)``, zeros
     left out: empty when every difference is named."""
     entries = [{"cause": cause, "counted": dict(sorted(c.items())),

@@ -306,9 +306,11 @@ def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir
     its reason, and nothing is left in ``unexplained``:
     :func:`pipeline.verify.applied.unplanned_collectives`)."""
     from pipeline.verify.applied import (
+        EMBEDDING_REASON,
         HSDP_REASON,
         LOSS_REASON,
         applied_planned,
+        embedding_backward_entry,
         hsdp_gradient_entry,
         unplanned_collectives,
     )
@@ -350,7 +352,10 @@ def applied_record(plan: Any, nodes: Any, ranks: list[dict[str, Any]], solve_dir
                                 if u in owning}, grad_buckets)
     unplanned, unexplained = unplanned_collectives(counted, planned, [
         ("loss", r0["loss_collectives"], planned_loss, LOSS_REASON),
-        ("hsdp_gradient", *hsdp, HSDP_REASON)])
+        ("hsdp_gradient", *hsdp, HSDP_REASON),
+        ("embedding_backward", *embedding_backward_entry(
+            rows, nodes, plan, units, data_dims, flattened, r0["module_collectives"]),
+         EMBEDDING_REASON)])
     return {
         "ok": bool(numbers_ok and shapes_ok),
         "checks": {"loss_and_grads": bool(numbers_ok), "local_shapes": bool(shapes_ok),

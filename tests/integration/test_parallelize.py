@@ -176,6 +176,7 @@ def _added(a: dict, b: dict) -> dict:
     # an AssertionError in the first decoder layer, the mask released by its first
     # reduction); at 2x2x2 the context-parallel dim's gradients come out sharded there
     pytest.param("2x2", "fsdp_tp", marks=pytest.mark.slow),
+    pytest.param("2x2x2", "fsdp_tp", marks=pytest.mark.slow),
     pytest.param("2x2x2", "fsdp_tp_cp", marks=pytest.mark.slow)])
 def test_recipe_plans_applied_match(results: Path, mesh: str, recipe: str) -> None:
     """Whatever the recipe pins: the plan it gives is applied and matches (a weight the
@@ -196,6 +197,46 @@ def test_recipe_plans_applied_match(results: Path, mesh: str, recipe: str) -> No
         assert coll["counted"] == coll["planned"] == by_hand
         assert coll["unplanned"] == [] and coll["unexplained"] == {}
         assert applied["checks"]["collectives"]
+    coll = applied["collectives"]
+    if recipe == "ddp" and all(set(_tokens(p["placement"])) == {"R"}
+                               for p in plan["parameters"]):
+        # per mesh dim d, from the plan's edges: the 15 matmul weights (2 layers x 7, the
+        # output) cast where they are split and gathered before use, again for the
+        # backward (DTensor saves the split copy): 30 gathers at mesh 4 and over, at
+        # mesh 2 the plan has 11 such edges, S(0) -> R, times 2 (22); each weight gradient
+        # reduce-scattered, cast, gathered: one ring all-reduce each (15); 5 norm gradients
+        # all-reduced; the loss all-reduced forward and backward (2); the embedding: the
+        # plan gathers its output gradient and indices (2), the step all-reduces its
+        # Partial gradient (1), the one named difference
+        gathers = 22 if mesh == "2" else 30
+        for d in cfg.mesh_names:
+            assert coll["counted"][f"all_gather({d})"] == gathers
+            assert coll["counted"][f"all_reduce({d})"] == 15 + 5 + 2 + 1
+            assert coll["planned"][f"all_gather({d})"] == gathers + 2
+            assert coll["planned"][f"all_reduce({d})"] == 15 + 5 + 2
+        assert len(coll["counted"]) == len(coll["planned"]) == 2 * len(cfg.mesh_names)
+        dims = list(cfg.mesh_names)
+        assert [(e["cause"], e["counted"], e["planned"]) for e in coll["unplanned"]] == [
+            ("embedding_backward", {f"all_reduce({d})": 1 for d in dims},
+             {f"all_gather({d})": 2 for d in dims})]
+        assert coll["unexplained"] == {} and applied["checks"]["collectives_explained"]
+    if recipe == "fsdp_tp":
+        # the row-wise (vocabulary-sharded) embedding: the step all-gathers the gradient
+        # of its output's reduce-scatter over tp once, the plan reduce-scatters the
+        # weight's gradient over tp once; the loss: the step gathers the tp-sharded
+        # logits once and all-reduces its partial loss over the data dims forward and
+        # backward; at 2x2x2 the six row-sharded fallback weights (S(1) over dp and cp)
+        # reduce-scatter their gradients over dp+cp as planned (no all-reduce over cp)
+        data = "+".join(n for n in cfg.mesh_names if n != "tp")
+        causes = {e["cause"]: e for e in coll["unplanned"]}
+        assert sorted(causes) == ["embedding_backward", "loss"]
+        assert causes["embedding_backward"]["counted"] == {"all_gather(tp)": 1}
+        assert causes["embedding_backward"]["planned"] == {"reduce_scatter(tp)": 1}
+        assert causes["loss"]["counted"] == {"all_gather(tp)": 1, f"all_reduce({data})": 2}
+        assert coll["unexplained"] == {} and applied["checks"]["collectives_explained"]
+        if mesh == "2x2x2":
+            assert "all_reduce(cp)" not in coll["counted"]
+            assert "reduce_scatter(dp)" not in coll["counted"]
     if recipe == "hsdp":
         rs = [p for p in plan["parameters"] if p["placement"] == "RS(0)"]
         assert rs and all(applied["placements"][p["fqn"]]["applied"] == "RS(0) on dp,tp"
