@@ -92,10 +92,17 @@ from pipeline.solvers.mrf import MRF, row_holds, row_value
 from pipeline.solvers.restrict import Restriction, restrict
 from pipeline.solvers.result import SolverResult, relative_gap
 from pipeline.solvers.step_bound import step_lower_bound
+from pipeline.solvers.warm import WarmStart
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STEP_TIME_RTOL", "SearchOutcome", "step_time_fields", "step_time_search"]
+__all__ = ["STEP_TIME_RTOL", "RoundSolve", "SearchOutcome", "step_time_fields",
+           "step_time_search"]
+
+#: The re-weighting rounds' solver: ``resolve(mrf, warm)``, with ``warm`` the
+#: :class:`~pipeline.solvers.warm.WarmStart` of the domain's rounds (TRW-S starts each
+#: re-solve from the previous one's messages; a solver without messages ignores it).
+RoundSolve = Callable[[MRF, WarmStart], SolverResult]
 
 #: Damping of the weights' update: ``w <- w + DAMPING * (exposed share - w)`` (a damped
 #: fixed-point iteration; undamped, the first re-solve treats every hidden gather as free
@@ -163,7 +170,7 @@ class _Search:
     once, and the re-weighting rounds of one domain (module docstring, steps 2-3)."""
 
     def __init__(self, cfg: Any, costs: Any, mrf: MRF, solve: Callable[[MRF], SolverResult],
-                 weight_derived: list[bool], resolve: Callable[[MRF], SolverResult]):
+                 weight_derived: list[bool], resolve: RoundSolve):
         self.cfg, self.costs, self.mrf, self.solve = cfg, costs, mrf, solve
         self.resolve = resolve  # the re-weighted re-solves' solver (step 2)
         self.cm = costs.cost_model()
@@ -195,21 +202,26 @@ class _Search:
         return self.seen[key]
 
     def rounds(self, current: int, prefix: str, domain: Restriction | None = None,
-               visited: list[int] | None = None) -> str:
+               visited: list[int] | None = None, seed: WarmStart | None = None) -> str:
         """Re-weight and re-solve from candidate ``current`` (``domain``: within that
         restriction of the MRF); returns the stop reason. ``visited`` gains the index of
-        every plan a re-solve returns."""
+        every plan a re-solve returns. The re-solves share one
+        :class:`~pipeline.solvers.warm.WarmStart` (one domain: one layout), ``seed`` when
+        given (the messages the domain's additive solve left), so each TRW-S re-solve
+        starts from the previous solve's messages."""
         visited = [] if visited is None else visited
         weights = np.ones(len(self.cm.edges))
+        warm = WarmStart() if seed is None else seed
+        warm.load_enabled = True
         for it in range(1, int(self.cfg.solver.step_time_rounds) + 1):
             step = DAMPING * (self.shares[current] - weights)
             weights = weights + step
             m = self.surrogate.mrf(weights)
             try:
                 if domain is None:
-                    res = self.resolve(m)
+                    res = self.resolve(m, warm)
                 else:
-                    res = self.resolve(restrict(m, _as_keep(domain)).mrf)
+                    res = self.resolve(restrict(m, _as_keep(domain)).mrf, warm)
                     res = dataclasses.replace(res, labels=domain.expand(res.labels))
             except (FractionalRelaxationError, NoFeasibleLabelingError, PlanError) as err:
                 # lp: a re-weighted relaxation may be fractional (the additive one was
@@ -317,19 +329,22 @@ def _intra_node_reason(cfg: Any, name: str) -> str | None:
 
 def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
                      solve: Callable[[MRF], SolverResult], weight_derived: list[bool],
-                     resolve: Callable[[MRF], SolverResult] | None = None,
-                     round_solver: str | None = None) -> SearchOutcome:
+                     resolve: RoundSolve | None = None,
+                     round_solver: str | None = None,
+                     seed: WarmStart | None = None) -> SearchOutcome:
     """The search and bound of the module docstring, from the additive solve ``first``
     of ``mrf`` (with the rows the plan was solved under); ``solve`` is the configured
-    solver (with its presolve), ``resolve`` the re-weighting rounds' (``None``:
-    ``solve``), named ``round_solver`` in the record (``None``: ``solver.name``)."""
+    solver (with its presolve), ``resolve`` the re-weighting rounds' (:data:`RoundSolve`;
+    ``None``: ``solve``, cold), named ``round_solver`` in the record (``None``:
+    ``solver.name``). ``seed``: the :class:`~pipeline.solvers.warm.WarmStart` the additive
+    solve left its TRW-S messages in (the first round starts from them), else None."""
     from pipeline.solvers.registry import get_solver
 
     start = time.perf_counter()
     search = _Search(cfg, costs, mrf, solve, weight_derived,
-                     solve if resolve is None else resolve)
+                     (lambda m, _warm: solve(m)) if resolve is None else resolve)
     search.add("additive", first)
-    stop = search.rounds(0, "")
+    stop = search.rounds(0, "", seed=seed)
     recipes = {str(name): search.recipe(str(name), entry) for name, entry in
                sorted((costs.topology.summary.get("recipe_domains") or {}).items())}
     search_seconds = time.perf_counter() - start
