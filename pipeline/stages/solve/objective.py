@@ -217,6 +217,7 @@ class _Search:
             step = DAMPING * (self.shares[current] - weights)
             weights = weights + step
             m = self.surrogate.mrf(weights)
+            self.release_caches()
             try:
                 if domain is None:
                     res = self.resolve(m, warm)
@@ -241,6 +242,13 @@ class _Search:
             current = self.add(f"{prefix}step-time round {it}", res)
             visited.append(current)
         return "rounds"
+
+    def release_caches(self) -> None:
+        """The first surrogate has computed its redistribution tables with the
+        planner's caches the factor build left (``FactorProvider.hold_caches``, set by
+        the solve stage); later rounds re-weight the same edges: drop the caches."""
+        if self.costs.factor_provider is not None:
+            self.costs.factor_provider.release_caches()
 
     def recipe(self, name: str, entry: dict[str, Any]) -> dict[str, Any]:
         """The candidates of recipe ``name`` (its domain ``entry`` from the topology,
@@ -347,6 +355,7 @@ def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
     stop = search.rounds(0, "", seed=seed)
     recipes = {str(name): search.recipe(str(name), entry) for name, entry in
                sorted((costs.topology.summary.get("recipe_domains") or {}).items())}
+    search.release_caches()  # no round built a surrogate (else a no-op)
     search_seconds = time.perf_counter() - start
     cands, solves, cm, groups = search.cands, search.solves, search.cm, search.groups
     mesh_names = [str(m) for m in cfg.mesh_names]

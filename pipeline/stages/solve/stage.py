@@ -221,8 +221,7 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None, warm: Any = None
     approx: TRW-S (side rows by Lagrangian relaxation). ilp/lp: side rows are rows
     of the program; with ``solver.prune`` TRW-S runs first and its dual bounds
     remove labels that are in no optimal plan before the program is built.
-    ``fp``: the lazy factor provider (progress bar) or None; ``warm``: as for :func:`_approx`.
-    """
+    ``fp``: the lazy factor provider (progress bar) or None; ``warm``: as for :func:`_approx`."""
     from pipeline.solvers.registry import get_solver
 
     s = cfg.solver
@@ -340,6 +339,7 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     built_before = provider.factor_seconds if provider is not None else 0.0
     start = time.perf_counter()
     if provider is not None:  # lazy costs: every factor is needed; build them in parallel
+        provider.hold_caches = str(cfg.solver.objective) == "step_time"  # objective.py
         provider.build_parallel(workers_config(cfg), PARALLEL_MIN_WORK)
     seed = WarmStart(load=False)  # the additive solve's messages, for the rounds (cold)
     result, presolve, fit = _solve_fitting(cfg, costs, out_dir, seed)
