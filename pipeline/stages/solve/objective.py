@@ -25,7 +25,10 @@ Search (deterministic):
    solve of a re-weighted MRF took 58-86 s against TRW-S's ~1 s (2026-12-03, this
    project's 2-core EPYC), and a search of 12 such solves ran past CI's 20 minutes.
    The exact solver solves the additive problem (step 1) and each recipe's domain
-   (step 4); ``step_time_search.round_solver`` names the re-solves' solver.
+   (step 4); ``step_time_search.round_solver`` names the re-solves' solver. Each
+   re-solve's TRW-S starts from the previous solve's messages in the same domain
+   (pipeline/solvers/warm.py: any messages give a valid bound; the planner's domain's
+   first round from the additive solve's, which itself starts from zeros).
 3. **Stop** at a *fixed point*, when the solver returns the plan the weights came from
    and no weight moved by more than :data:`WEIGHT_TOL`, or after
    ``solver.step_time_rounds`` re-solves (``rounds``), or when a re-solve gives no plan
