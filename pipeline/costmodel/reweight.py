@@ -101,54 +101,68 @@ class Surrogate:
     gathered onto them (``comm_e`` with a forbidden pair as 0) are memoised across calls
     (the rounds of a search re-weight the same edges): a later call only adds the
     weighted tables (llama1b 2x4x8: 2.1 s a call before the gathered tables were kept).
+    The joint classes and gathered tables are keyed by the group edge's *signature*, its
+    members' (edge class, flipped) in order: equal classes give equal ``(row_cls,
+    col_cls, comm)`` (``CostModel.edge_classes``), hence equal joint classes and
+    gathers, so the copies of a repeated layer share them (llama1b 2x4x8: 2,948 group
+    edges re-weighted, one gather each before). Each group edge's own factor classes
+    are still checked against them.
     """
 
     def __init__(self, base: MRF, cost_model: Any, groups: Any):
         self.base, self.cm, self.groups = base, cost_model, groups
         self.terms = _Terms(cost_model)
-        self._joint: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._parts: dict[tuple[int, int], np.ndarray] = {}
+        self._joint: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._checked: set[int] = set()
+        self._parts: dict[tuple[tuple, int], np.ndarray] = {}
+        cls = cost_model.edge_classes()
+        self._sig = [tuple((int(cls[e]), bool(flipped)) for e, flipped in members)
+                     for members in groups.edge_members]
 
     def _part(self, ge: int, k: int, e: int, flipped: bool) -> np.ndarray:
         """Member ``k`` (graph edge ``e``) of group edge ``ge``: its redistribution
         table on the group factor's joint classes, a forbidden pair as 0 (it is +inf
-        in the base table already)."""
-        hit = self._parts.get((ge, k))
+        in the base table already). Shared by the group edges of one signature."""
+        ur, uc = self._classes(ge)
+        key = (self._sig[ge], k)
+        hit = self._parts.get(key)
         if hit is None:
-            ur, uc = self._classes(ge)
             comm = self.terms(e)[2]
             if flipped:
                 comm = comm.T
             part = comm[np.ix_(ur[:, k], uc[:, k])]
-            hit = self._parts[(ge, k)] = np.where(np.isinf(part), 0.0, part)
+            hit = self._parts[key] = np.where(np.isinf(part), 0.0, part)
         return hit
 
     def _classes(self, ge: int) -> tuple[np.ndarray, np.ndarray]:
         """Per member of group edge ``ge``, its row / column class within the joint
-        classes (``[R, members]``, ``[C, members]``)."""
-        hit = self._joint.get(ge)
-        if hit is not None:
-            return hit
-        rows, cols = [], []
-        for e, flipped in self.groups.edge_members[ge]:
-            r, c = self.terms(e)[:2]
-            rows.append(c if flipped else r)
-            cols.append(r if flipped else c)
-        f = self.base.factor(ge)
-        if len(rows) == 1:
-            ur = np.arange(int(np.max(rows[0])) + 1)[:, None]
-            uc = np.arange(int(np.max(cols[0])) + 1)[:, None]
-            rinv, cinv = rows[0], cols[0]
-        else:
-            ur, rinv = np.unique(np.stack(rows, axis=1), axis=0, return_inverse=True)
-            uc, cinv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
-        if not (np.array_equal(np.reshape(rinv, -1), f.row_cls)
-                and np.array_equal(np.reshape(cinv, -1), f.col_cls)
-                and f.table.shape == (len(ur), len(uc))):
-            raise RuntimeError(f"Surrogate: group edge {ge}: its member edges' classes "
-                               "differ from the base factor's")
-        hit = self._joint[ge] = (ur, uc)
-        return hit
+        classes (``[R, members]``, ``[C, members]``), checked (once per group edge)
+        against the base factor's classes."""
+        sig = self._sig[ge]
+        hit = self._joint.get(sig)
+        if hit is None:
+            rows, cols = [], []
+            for e, flipped in self.groups.edge_members[ge]:
+                r, c = self.terms(e)[:2]
+                rows.append(c if flipped else r)
+                cols.append(r if flipped else c)
+            if len(rows) == 1:
+                ur = np.arange(int(np.max(rows[0])) + 1)[:, None]
+                uc = np.arange(int(np.max(cols[0])) + 1)[:, None]
+                rinv, cinv = rows[0], cols[0]
+            else:
+                ur, rinv = np.unique(np.stack(rows, axis=1), axis=0, return_inverse=True)
+                uc, cinv = np.unique(np.stack(cols, axis=1), axis=0, return_inverse=True)
+            hit = self._joint[sig] = (ur, uc, np.reshape(rinv, -1), np.reshape(cinv, -1))
+        ur, uc, rinv, cinv = hit
+        if ge not in self._checked:
+            f = self.base.factor(ge)
+            if not (np.array_equal(rinv, f.row_cls) and np.array_equal(cinv, f.col_cls)
+                    and f.table.shape == (len(ur), len(uc))):
+                raise RuntimeError(f"Surrogate: group edge {ge}: its member edges' classes "
+                                   "differ from the base factor's")
+            self._checked.add(ge)
+        return ur, uc
 
     def mrf(self, weight: np.ndarray) -> MRF:
         """The surrogate MRF for ``weight`` (float64 ``[num graph edges]``, ``>= 0``).

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from pipeline.solvers.mrf import MRF
     from pipeline.solvers.result import SolverResult
+    from pipeline.solvers.warm import WarmStart
 
 #: Backends of the integer program and its LP relaxation (pipeline/solvers/ilp/).
 BACKENDS: tuple[str, ...] = ("highs", "cbc")
@@ -58,6 +59,9 @@ class TrwsOptions:
     max_levels: int = 128
     label_bounds: bool = False
     progress: TrwsProgressFn | None = None
+    #: messages of an earlier solve of the same layout to start from, and where this
+    #: solve leaves its own (pipeline/solvers/warm.py); None: from zeros
+    warm: WarmStart | None = None
 
     @classmethod
     def from_config(cls, solver_cfg: Any, **overrides: Any) -> TrwsOptions:

@@ -127,6 +127,7 @@ from pipeline.solvers.local_search import coordinate_descent
 from pipeline.solvers.mrf import MRF
 from pipeline.solvers.options import TrwsOptions, TrwsProgressFn
 from pipeline.solvers.result import CERTIFY_RTOL, SolverResult, certified_status, is_certified
+from pipeline.solvers.warm import WarmStart
 
 _INF = np.inf
 
@@ -223,6 +224,7 @@ def solve_trws(
     order: str | np.ndarray = "auto",
     max_levels: int = 128,
     label_bounds: bool = False,
+    warm: WarmStart | None = None,
 ) -> SolverResult:
     """Minimise ``E`` with TRW-S, then polish the best labelling by local search.
 
@@ -251,6 +253,10 @@ def solve_trws(
             lower bound on ``E`` over labellings using that label, from the final
             messages (:func:`pipeline.solvers.pruning.label_bounds`); one extra
             pass over the tables.
+        warm: optional :class:`~pipeline.solvers.warm.WarmStart`: start from the
+            messages it holds when they were saved from a solve of the same layout
+            (any messages give a valid bound: pipeline/solvers/warm.py), and leave
+            this solve's final messages in it.
 
     Returns:
         :class:`SolverResult` with ``lower_bound_source="trws"`` and status
@@ -259,7 +265,8 @@ def solve_trws(
         ``stop_reason`` (``certified``/``converged``/``max_iters``/
         ``time_limit``/``no_edges``), ``energy_trws`` (best decoded energy
         before the polish), ``best_iteration``, ``order``, ``levels`` (numpy
-        batches per sweep), ``compile_seconds``, ``local_search_seconds``.
+        batches per sweep), ``compile_seconds``, ``local_search_seconds``,
+        ``warm_start`` (the messages started from ``warm``'s).
 
     Raises:
         ValueError: malformed MRF or arguments.
@@ -280,6 +287,7 @@ def solve_trws(
     labels[cm.isolated] = cm.isolated_labels()
     iso_min = float(sum(float(cm.unary[s].min()) for s in cm.isolated))
     buf = cm.new_buffer()
+    warmed = warm is not None and cm.num_edges > 0 and warm.load(cm, buf)
     history: list[float] = []
     best_labels = labels.copy()
     best_energy = _INF
@@ -316,6 +324,8 @@ def solve_trws(
                 stop = "time_limit"
                 break
     energy_trws = best_energy
+    if warm is not None and cm.num_edges:
+        warm.save(cm, buf)
     bounds = _label_bounds(cm, buf) if label_bounds else None
     labels = cm.to_external(best_labels)
     t_polish = time.perf_counter()
@@ -347,6 +357,7 @@ def solve_trws(
             "levels": {"forward": len(cm.fwd_batches), "backward": len(cm.bwd_batches)},
             "compile_seconds": t_compiled - t0,
             "local_search_seconds": t_polished - t_polish,
+            "warm_start": bool(warmed),
         },
         label_bounds=bounds,
     )
@@ -359,7 +370,7 @@ def solve(mrf: MRF, options: TrwsOptions | None = None) -> SolverResult:
     return solve_trws(mrf, max_iters=o.max_iters, tol=o.tol,
                       local_search_rounds=o.local_search_rounds, time_limit_s=o.time_limit_s,
                       progress=o.progress, order=o.order, max_levels=o.max_levels,
-                      label_bounds=o.label_bounds)
+                      label_bounds=o.label_bounds, warm=o.warm)
 
 
 def _label_bounds(cm: CompiledMRF, buf: np.ndarray) -> list[np.ndarray]:

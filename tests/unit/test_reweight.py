@@ -127,3 +127,38 @@ def test_search_keeps_the_fastest_and_stops_at_a_fixed_point(toy):
     assert out.result.objective == pytest.approx(costs.mrf.evaluate(out.result.labels),
                                                  rel=1e-12)
     assert 0 < out.lower_bound_us <= best
+
+
+def test_held_caches_are_released_and_give_the_same_surrogate(toy):
+    """``FactorProvider.hold_caches`` (set by the solve stage for the step-time search):
+    once every group factor exists the redistribution planner's caches stay until
+    ``release_caches``, which drops them (without the hold they go when the last factor
+    is built); a surrogate built with the held caches equals, entry for entry, one built
+    after they were dropped (the caches change no value)."""
+    from pipeline.costmodel.redistribute import DEFAULT_INTERNER
+    from pipeline.costmodel.reweight import Surrogate
+
+    def cached() -> int:  # pair records per (mesh, tensor rank): none after a clear
+        return len(DEFAULT_INTERNER.table_contexts)
+
+    plain = build_mrf(toy, HW, lazy=True, fuse_pointwise=True)
+    for ge in range(plain.mrf.num_edges):
+        plain.factor_provider.factor(ge)
+    assert cached() == 0
+    costs = build_mrf(toy, HW, lazy=True, fuse_pointwise=True)
+    provider = costs.factor_provider
+    provider.hold_caches = True
+    for ge in range(costs.mrf.num_edges):
+        provider.factor(ge)
+    assert cached() > 0
+    gs = group_structure(toy)
+    weight = np.random.default_rng(3).random(gs.num_graph_edges)
+    held = Surrogate(costs.mrf, costs.cost_model(), gs).mrf(weight)
+    provider.release_caches()
+    assert cached() == 0 and not provider.hold_caches
+    cold = Surrogate(costs.mrf, costs.cost_model(), gs).mrf(weight)
+    assert cached() > 0  # the cold surrogate planned its pairs again
+    for ge in range(costs.mrf.num_edges):
+        a, b = held.factor(ge), cold.factor(ge)
+        assert np.array_equal(a.row_cls, b.row_cls) and np.array_equal(a.table, b.table)
+    assert all(np.array_equal(a, b) for a, b in zip(held.unary, cold.unary))

@@ -25,7 +25,10 @@ Search (deterministic):
    solve of a re-weighted MRF took 58-86 s against TRW-S's ~1 s (2026-12-03, this
    project's 2-core EPYC), and a search of 12 such solves ran past CI's 20 minutes.
    The exact solver solves the additive problem (step 1) and each recipe's domain
-   (step 4); ``step_time_search.round_solver`` names the re-solves' solver.
+   (step 4); ``step_time_search.round_solver`` names the re-solves' solver. Each
+   re-solve's TRW-S starts from the previous solve's messages in the same domain
+   (pipeline/solvers/warm.py: any messages give a valid bound; the planner's domain's
+   first round from the additive solve's, which itself starts from zeros).
 3. **Stop** at a *fixed point*, when the solver returns the plan the weights came from
    and no weight moved by more than :data:`WEIGHT_TOL`, or after
    ``solver.step_time_rounds`` re-solves (``rounds``), or when a re-solve gives no plan
@@ -92,10 +95,17 @@ from pipeline.solvers.mrf import MRF, row_holds, row_value
 from pipeline.solvers.restrict import Restriction, restrict
 from pipeline.solvers.result import SolverResult, relative_gap
 from pipeline.solvers.step_bound import step_lower_bound
+from pipeline.solvers.warm import WarmStart
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STEP_TIME_RTOL", "SearchOutcome", "step_time_fields", "step_time_search"]
+__all__ = ["STEP_TIME_RTOL", "RoundSolve", "SearchOutcome", "step_time_fields",
+           "step_time_search"]
+
+#: The re-weighting rounds' solver: ``resolve(mrf, warm)``, with ``warm`` the
+#: :class:`~pipeline.solvers.warm.WarmStart` of the domain's rounds (TRW-S starts each
+#: re-solve from the previous one's messages; a solver without messages ignores it).
+RoundSolve = Callable[[MRF, WarmStart], SolverResult]
 
 #: Damping of the weights' update: ``w <- w + DAMPING * (exposed share - w)`` (a damped
 #: fixed-point iteration; undamped, the first re-solve treats every hidden gather as free
@@ -163,7 +173,7 @@ class _Search:
     once, and the re-weighting rounds of one domain (module docstring, steps 2-3)."""
 
     def __init__(self, cfg: Any, costs: Any, mrf: MRF, solve: Callable[[MRF], SolverResult],
-                 weight_derived: list[bool], resolve: Callable[[MRF], SolverResult]):
+                 weight_derived: list[bool], resolve: RoundSolve):
         self.cfg, self.costs, self.mrf, self.solve = cfg, costs, mrf, solve
         self.resolve = resolve  # the re-weighted re-solves' solver (step 2)
         self.cm = costs.cost_model()
@@ -195,21 +205,27 @@ class _Search:
         return self.seen[key]
 
     def rounds(self, current: int, prefix: str, domain: Restriction | None = None,
-               visited: list[int] | None = None) -> str:
+               visited: list[int] | None = None, seed: WarmStart | None = None) -> str:
         """Re-weight and re-solve from candidate ``current`` (``domain``: within that
         restriction of the MRF); returns the stop reason. ``visited`` gains the index of
-        every plan a re-solve returns."""
+        every plan a re-solve returns. The re-solves share one
+        :class:`~pipeline.solvers.warm.WarmStart` (one domain: one layout), ``seed`` when
+        given (the messages the domain's additive solve left), so each TRW-S re-solve
+        starts from the previous solve's messages."""
         visited = [] if visited is None else visited
         weights = np.ones(len(self.cm.edges))
+        warm = WarmStart() if seed is None else seed
+        warm.load_enabled = True
         for it in range(1, int(self.cfg.solver.step_time_rounds) + 1):
             step = DAMPING * (self.shares[current] - weights)
             weights = weights + step
             m = self.surrogate.mrf(weights)
+            self.release_caches()
             try:
                 if domain is None:
-                    res = self.resolve(m)
+                    res = self.resolve(m, warm)
                 else:
-                    res = self.resolve(restrict(m, _as_keep(domain)).mrf)
+                    res = self.resolve(restrict(m, _as_keep(domain)).mrf, warm)
                     res = dataclasses.replace(res, labels=domain.expand(res.labels))
             except (FractionalRelaxationError, NoFeasibleLabelingError, PlanError) as err:
                 # lp: a re-weighted relaxation may be fractional (the additive one was
@@ -229,6 +245,13 @@ class _Search:
             current = self.add(f"{prefix}step-time round {it}", res)
             visited.append(current)
         return "rounds"
+
+    def release_caches(self) -> None:
+        """The first surrogate has computed its redistribution tables with the
+        planner's caches the factor build left (``FactorProvider.hold_caches``, set by
+        the solve stage); later rounds re-weight the same edges: drop the caches."""
+        if self.costs.factor_provider is not None:
+            self.costs.factor_provider.release_caches()
 
     def recipe(self, name: str, entry: dict[str, Any]) -> dict[str, Any]:
         """The candidates of recipe ``name`` (its domain ``entry`` from the topology,
@@ -317,21 +340,25 @@ def _intra_node_reason(cfg: Any, name: str) -> str | None:
 
 def step_time_search(cfg: Any, costs: Any, mrf: MRF, first: SolverResult,
                      solve: Callable[[MRF], SolverResult], weight_derived: list[bool],
-                     resolve: Callable[[MRF], SolverResult] | None = None,
-                     round_solver: str | None = None) -> SearchOutcome:
+                     resolve: RoundSolve | None = None,
+                     round_solver: str | None = None,
+                     seed: WarmStart | None = None) -> SearchOutcome:
     """The search and bound of the module docstring, from the additive solve ``first``
     of ``mrf`` (with the rows the plan was solved under); ``solve`` is the configured
-    solver (with its presolve), ``resolve`` the re-weighting rounds' (``None``:
-    ``solve``), named ``round_solver`` in the record (``None``: ``solver.name``)."""
+    solver (with its presolve), ``resolve`` the re-weighting rounds' (:data:`RoundSolve`;
+    ``None``: ``solve``, cold), named ``round_solver`` in the record (``None``:
+    ``solver.name``). ``seed``: the :class:`~pipeline.solvers.warm.WarmStart` the additive
+    solve left its TRW-S messages in (the first round starts from them), else None."""
     from pipeline.solvers.registry import get_solver
 
     start = time.perf_counter()
     search = _Search(cfg, costs, mrf, solve, weight_derived,
-                     solve if resolve is None else resolve)
+                     (lambda m, _warm: solve(m)) if resolve is None else resolve)
     search.add("additive", first)
-    stop = search.rounds(0, "")
+    stop = search.rounds(0, "", seed=seed)
     recipes = {str(name): search.recipe(str(name), entry) for name, entry in
                sorted((costs.topology.summary.get("recipe_domains") or {}).items())}
+    search.release_caches()  # no round built a surrogate (else a no-op)
     search_seconds = time.perf_counter() - start
     cands, solves, cm, groups = search.cands, search.solves, search.cm, search.groups
     mesh_names = [str(m) for m in cfg.mesh_names]

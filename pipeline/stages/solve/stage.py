@@ -64,6 +64,7 @@ from pipeline.memory.fit import fit_fields, fit_warning
 from pipeline.plan.format import build_plan, write_plan
 from pipeline.solvers.ilp.fallback import no_plan_message
 from pipeline.solvers.lagrangian import allowed_unaries
+from pipeline.solvers.warm import WarmStart
 from pipeline.stages.costs.stage import Costs, load_costs
 from pipeline.stages.topology import TopologyTables, find_logits, read_topology
 
@@ -164,14 +165,16 @@ def _lazy_factor_progress(mrf: Any, factor_provider: Any) -> Iterator[Any]:
         yield dataclasses.replace(mrf, factor=factor)
 
 
-def _approx(cfg: Any, mrf: Any, *, label_bounds: bool = False, fp: Any = None) -> Any:
+def _approx(cfg: Any, mrf: Any, *, label_bounds: bool = False, fp: Any = None,
+            warm: Any = None) -> Any:
     """TRW-S + local search (registry ``approx``) with the configured options; linear
     rows go through the Lagrangian wrapper (registry ``lagrangian``). ``fp``: the lazy
-    factor provider behind ``mrf`` (for its progress bar), else None."""
+    factor provider behind ``mrf`` (progress bar), else None; ``warm``: every TRW-S solve's
+    :class:`~pipeline.solvers.warm.WarmStart` (pipeline/solvers/warm.py), else None."""
     from pipeline.solvers.registry import get_solver
 
     approx = get_solver("approx")
-    options = approx.options(cfg.solver, label_bounds=label_bounds)
+    options = approx.options(cfg.solver, label_bounds=label_bounds, warm=warm)
 
     def inner(m: Any) -> Any:
         with progress.BoundProgress(options.max_iters) as bound_bar:
@@ -210,7 +213,7 @@ def _pruned(mrf: Any, result: Any) -> tuple[Any, dict[str, Any] | None]:
         "seconds": time.perf_counter() - start}
 
 
-def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
+def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None, warm: Any = None
            ) -> tuple[Any, dict[str, Any] | None]:
     """Run the configured solver (pipeline/solvers/registry.py); returns ``(result,
     presolve record or None)``.
@@ -218,21 +221,21 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
     approx: TRW-S (side rows by Lagrangian relaxation). ilp/lp: side rows are rows
     of the program; with ``solver.prune`` TRW-S runs first and its dual bounds
     remove labels that are in no optimal plan before the program is built.
-    ``fp``: the lazy factor provider behind ``mrf`` (progress bar), else None.
-    """
+    ``fp``: the lazy factor provider (progress bar) or None; ``warm``: as for :func:`_approx`."""
     from pipeline.solvers.registry import get_solver
 
     s = cfg.solver
     solver = get_solver(str(s.name))
     if not solver.exact:  # approx: no presolve
-        return _approx(cfg, mrf, label_bounds=bool(cfg.optimality_check and s.prune), fp=fp), None
+        return _approx(cfg, mrf, label_bounds=bool(cfg.optimality_check and s.prune), fp=fp,
+                       warm=warm), None
     presolve = first = None
     if bool(s.prune):
         from pipeline.solvers.errors import NoFeasibleLabelingError
 
         start = time.perf_counter()
         try:
-            first = _approx(cfg, mrf, label_bounds=True)
+            first = _approx(cfg, mrf, label_bounds=True, warm=warm)
         except NoFeasibleLabelingError:
             first = None  # TRW-S found no plan: nothing to prune against
         mrf, presolve = _pruned(mrf, first)
@@ -245,25 +248,25 @@ def _solve(cfg: Any, mrf: Any, out_dir: Path, fp: Any = None
     return result, presolve
 
 
-def _solve_fitting(cfg: Any, costs: Costs, out_dir: Path) -> tuple[Any, Any, Any]:
+def _solve_fitting(cfg: Any, costs: Costs, out_dir: Path, warm: Any) -> tuple[Any, Any, Any]:
     """:func:`_solve`, and with ``constraints.device_memory`` the fit loop of
     pipeline/memory/constraint.py: solve with the device-memory row, walk the plan, add
     a cut for the moment of its peak until the plan fits. Returns ``(result, presolve,
     fit)`` with ``fit`` None without a limit (else ``fit.rows`` are the memory rows of
-    the last solve)."""
+    the last solve). ``warm``: given to every :func:`_solve`."""
     from pipeline.memory.constraint import fit_plan, is_memory_row
 
     mrf, provider, model = costs.mrf, costs.factor_provider, costs.memory
     row = next((r for r in mrf.linear_constraints if is_memory_row(r)), None)
     if model is None or model.limit is None or row is None:
-        result, presolve = _solve(cfg, mrf, out_dir, provider)
+        result, presolve = _solve(cfg, mrf, out_dir, provider, warm)
         return result, presolve, None
     others = [r for r in mrf.linear_constraints if not is_memory_row(r)]
     presolves: list[Any] = []
 
     def solve(rows: list[Any]) -> Any:
         res, pre = _solve(cfg, dataclasses.replace(mrf, linear_constraints=others + rows),
-                          out_dir, provider)
+                          out_dir, provider, warm)
         presolves.append(pre)
         return res
 
@@ -336,8 +339,10 @@ def run_solve(cfg: Any, dirs: Any) -> None:
     built_before = provider.factor_seconds if provider is not None else 0.0
     start = time.perf_counter()
     if provider is not None:  # lazy costs: every factor is needed; build them in parallel
+        provider.hold_caches = str(cfg.solver.objective) == "step_time"  # objective.py
         provider.build_parallel(workers_config(cfg), PARALLEL_MIN_WORK)
-    result, presolve, fit = _solve_fitting(cfg, costs, out_dir)
+    seed = WarmStart(load=False)  # the additive solve's messages, for the rounds (cold)
+    result, presolve, fit = _solve_fitting(cfg, costs, out_dir, seed)
     if fit is not None:
         mrf = costs.mrf = dataclasses.replace(mrf, linear_constraints=fit.rows)
     outcome = None
@@ -349,8 +354,8 @@ def run_solve(cfg: Any, dirs: Any) -> None:
         outcome = step_time_search(cfg, costs, mrf, result,
                                    lambda m: _solve(cfg, m, out_dir)[0],
                                    _weight_derived(costs, topology),
-                                   resolve=(lambda m: _approx(cfg, m)) if exact else None,
-                                   round_solver="approx" if exact else None)
+                                   resolve=lambda m, warm: _approx(cfg, m, warm=warm),
+                                   round_solver="approx" if exact else None, seed=seed)
         result = outcome.result
         timer.add("step_time_bound", outcome.record["bound"]["seconds"])
     solve_wall = time.perf_counter() - start - (
