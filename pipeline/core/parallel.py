@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -66,6 +67,12 @@ def balanced_chunks(weights: Sequence[float], parts: int) -> list[list[int]]:
 
 
 def _run_child(conn: Any, fn: Callable[[Any], Any], chunk: Any) -> None:
+    # A forked child inherits the parent's handlers, e.g. python -m pipeline's, which turn
+    # SIGTERM into an exception (pipeline/core/interrupts.py): the parent's clean-up
+    # terminating a child that has sent its result but not yet exited then printed a
+    # traceback. The parent decides: SIGINT ignored, SIGTERM ends the child silently.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         message: tuple = ("ok", fn(chunk))
     except BaseException as err:  # sent to the parent, which raises it

@@ -51,3 +51,22 @@ def test_no_signal_no_exception_and_handlers_restored():
         interrupts.check()
     interrupts.check()  # outside any block: no-op
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def _dispositions(_chunk: int) -> tuple[bool, bool]:
+    return (signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+            signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(),
+                    reason="map_chunks forks")
+def test_forked_chunk_workers_do_not_inherit_the_raising_handlers():
+    """CI: python -m pipeline's handlers, inherited by a topology worker that the parent
+    terminated after it had sent its result, printed an ``Interrupted`` traceback. The
+    workers end silently on SIGTERM and leave SIGINT to the parent."""
+    from pipeline.core.parallel import map_chunks
+
+    with handled():
+        got = map_chunks(_dispositions, [0, 1, 2])
+    assert got[1:] == [(True, True), (True, True)]  # the forked children
+    assert got[0] == (False, False)  # the calling process keeps its handlers
